@@ -1,0 +1,4 @@
+#include "bindings/bindings.h"
+namespace tf {
+void bind_gguf(pybind11::module_&) {}
+}  // namespace tf

@@ -1,0 +1,4 @@
+#include "bindings/bindings.h"
+namespace tf {
+void bind_quant(pybind11::module_&) {}
+}  // namespace tf

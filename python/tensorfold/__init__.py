@@ -1,0 +1,12 @@
+"""TensorFold: a native inference engine for large Mixture-of-Experts language models."""
+from __future__ import annotations
+
+import os as _os
+
+# Development builds: TENSORFOLD_CORE_DIR points at a CMake build folder holding _core*.so.
+if _os.environ.get("TENSORFOLD_CORE_DIR"):
+    __path__.insert(0, _os.environ["TENSORFOLD_CORE_DIR"])  # type: ignore[name-defined]
+
+from . import _core  # noqa: E402
+
+__version__ = "0.1.0"
