@@ -6,4 +6,5 @@ void bind_gguf(pybind11::module_& m);
 void bind_quant(pybind11::module_& m);
 void bind_engine(pybind11::module_& m);
 void bind_kernels(pybind11::module_& m);
+void bind_cuda(pybind11::module_& m);
 }  // namespace tf

@@ -17,7 +17,7 @@ PYBIND11_MODULE(_core, m) {
     } catch (const tf::Error& e) {
       switch (e.kind()) {
         case tf::ErrorKind::InvalidInput: PyErr_SetString(PyExc_ValueError, e.what()); break;
-        case tf::ErrorKind::Unsupported: unsupported(e.what()); break;
+        case tf::ErrorKind::Unsupported: py::set_error(unsupported, e.what()); break;
         case tf::ErrorKind::OutOfMemory: PyErr_SetString(PyExc_MemoryError, e.what()); break;
         default: PyErr_SetString(PyExc_RuntimeError, e.what()); break;
       }
@@ -29,4 +29,5 @@ PYBIND11_MODULE(_core, m) {
   tf::bind_quant(m);
   tf::bind_kernels(m);
   tf::bind_engine(m);
+  tf::bind_cuda(m);
 }

@@ -1,1 +1,67 @@
-// placeholder: implementation lands with its component
+#include "engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace tf {
+
+int32_t Sampler::argmax(const float* logits, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (logits[i] > logits[best]) best = i;
+  return int32_t(best);
+}
+
+int32_t Sampler::sample(const float* logits, int64_t n) {
+  if (p_.temperature <= 0.f || p_.top_k == 1) return argmax(logits, n);
+  auto& c = cand_;
+  c.clear();
+  c.reserve(size_t(n));
+  for (int64_t i = 0; i < n; ++i)
+    if (std::isfinite(logits[i])) c.emplace_back(logits[i], int32_t(i));
+  if (c.empty()) return argmax(logits, n);
+  auto by_logit = [](const auto& a, const auto& b) { return a.first > b.first; };
+  size_t keep = c.size();
+  if (p_.top_k > 0 && size_t(p_.top_k) < keep) {
+    keep = size_t(p_.top_k);
+    std::partial_sort(c.begin(), c.begin() + long(keep), c.end(), by_logit);
+  } else {
+    std::sort(c.begin(), c.end(), by_logit);
+  }
+  c.resize(keep);
+  // Probabilities at temperature 1 for the nucleus / min-p filters.
+  const float mx = c[0].first;
+  auto& prob = prob_;
+  prob.resize(keep);
+  double sum = 0.0;
+  for (size_t i = 0; i < keep; ++i) sum += (prob[i] = std::exp(c[i].first - mx));
+  if (p_.top_p < 1.f) {
+    double cum = 0.0;
+    size_t cut = keep;
+    for (size_t i = 0; i < keep; ++i) {
+      cum += prob[i] / sum;
+      if (cum >= p_.top_p) { cut = i + 1; break; }
+    }
+    keep = std::max<size_t>(1, cut);
+  }
+  if (p_.min_p > 0.f) {
+    // prob[0] is the largest (exp(0) = 1): keep tokens with p >= min_p * p_max.
+    size_t cut = 1;
+    while (cut < keep && prob[cut] >= p_.min_p) ++cut;
+    keep = cut;
+  }
+  // Temperature, then draw.
+  auto& w = weight_;
+  w.resize(keep);
+  double total = 0.0;
+  for (size_t i = 0; i < keep; ++i) total += (w[i] = std::exp(double(c[i].first - mx) / p_.temperature));
+  std::uniform_real_distribution<double> uni(0.0, total);
+  double r = uni(rng_);
+  for (size_t i = 0; i < keep; ++i) {
+    r -= w[i];
+    if (r <= 0.0) return c[i].second;
+  }
+  return c[keep - 1].second;
+}
+
+}  // namespace tf

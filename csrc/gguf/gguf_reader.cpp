@@ -1,1 +1,588 @@
-// placeholder: implementation lands with its component
+// Bounds-checked, memory-mapped GGUF reader (GGUF v2 / v3, little-endian).
+//
+// Layout (all little-endian):
+//   magic "GGUF" | u32 version | u64 tensor_count | u64 kv_count
+//   kv_count x { string key | u32 value_type | value }
+//   tensor_count x { string name | u32 n_dims | n_dims x u64 ne | u32 type | u64 offset }
+//   padding to `general.alignment` (default 32) | tensor data
+// where string = u64 length + bytes, and an array value = u32 elem_type + u64 count + elements.
+//
+// Nothing read from the file is trusted: every length is checked against the bytes that remain
+// before anything is allocated or dereferenced, and every error names the file, the problem and
+// where it is (byte offset, key or tensor).
+#include "gguf/gguf_reader.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <unordered_set>
+
+#include "core/error.h"
+#include "quant/traits.h"
+
+namespace tf {
+
+namespace {
+
+constexpr uint32_t kMaxArrayDepth = 8;       // nested arrays deeper than this are refused
+constexpr uint64_t kDefaultAlignment = 32;
+constexpr uint32_t kNumValueTypes = 13;
+
+// Smallest encodings, used to bound counts by the bytes that remain in the file.
+constexpr uint64_t kMinKvBytes = 8 + 1 + 4 + 1;               // key len, 1-byte key, type, u8 value
+constexpr uint64_t kMinTensorInfoBytes = 8 + 1 + 4 + 8 + 4 + 8;  // name len, name, n_dims, ne, type, offset
+
+const char* value_type_name(uint32_t t) {
+  static const char* const names[kNumValueTypes] = {
+      "uint8", "int8", "uint16", "int16", "uint32", "int32", "float32",
+      "bool",  "string", "array", "uint64", "int64", "float64"};
+  return t < kNumValueTypes ? names[t] : "unknown";
+}
+
+// Bytes of one element of a fixed-size type; 0 for string / array.
+uint64_t fixed_size(GgufValueType t) {
+  switch (t) {
+    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::BOOL: return 1;
+    case GgufValueType::UINT16: case GgufValueType::INT16: return 2;
+    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::FLOAT32: return 4;
+    case GgufValueType::UINT64: case GgufValueType::INT64: case GgufValueType::FLOAT64: return 8;
+    default: return 0;
+  }
+}
+
+bool is_integer(GgufValueType t) {
+  switch (t) {
+    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::UINT16:
+    case GgufValueType::INT16: case GgufValueType::UINT32: case GgufValueType::INT32:
+    case GgufValueType::UINT64: case GgufValueType::INT64: return true;
+    default: return false;
+  }
+}
+
+bool is_float(GgufValueType t) {
+  return t == GgufValueType::FLOAT32 || t == GgufValueType::FLOAT64;
+}
+
+std::string describe_type(const GgufValue& v) {
+  std::string s = value_type_name(static_cast<uint32_t>(v.type));
+  if (v.type == GgufValueType::ARRAY) {
+    s += "[";
+    s += value_type_name(static_cast<uint32_t>(v.elem_type));
+    s += "]";
+  }
+  return s;
+}
+
+// Printable, bounded rendering of a name read from the file, for error messages.
+std::string quote(const std::string& s) {
+  std::string out = "'";
+  size_t n = 0;
+  for (unsigned char c : s) {
+    if (++n > 80) { out += "..."; break; }
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
+      out += static_cast<char>(c);
+    } else {
+      static const char hex[] = "0123456789abcdef";
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+  out += "'";
+  return out;
+}
+
+// Sequential little-endian reader over the mapping; all reads bounds-checked.
+class Cursor {
+ public:
+  Cursor(const std::string& path, const uint8_t* base, uint64_t size)
+      : path_(path), base_(base), size_(size) {}
+
+  uint64_t pos() const { return pos_; }
+  uint64_t remaining() const { return size_ - pos_; }
+  // What is being parsed, e.g. "key #3 ('general.name')"; used in error messages.
+  std::string where;
+
+  void need(uint64_t n, const char* field) const {
+    if (n > size_ - pos_) {
+      uint64_t end_hi = pos_ + n;  // may wrap for absurd n; report what we can
+      if (end_hi < pos_) {
+        fail(ErrorKind::InvalidInput, path_, ": truncated: ", where, " ", field, " at byte ", pos_,
+             " needs ", n, " bytes, past the end of the ", size_, "-byte file");
+      }
+      fail(ErrorKind::InvalidInput, path_, ": truncated: ", where, " ", field, " at byte ", pos_,
+           " ends at byte ", end_hi, " past the end of the ", size_, "-byte file");
+    }
+  }
+
+  template <typename T>
+  T read(const char* field) {
+    need(sizeof(T), field);
+    T v;
+    std::memcpy(&v, base_ + pos_, sizeof(T));  // host is little-endian (x86-64 / arm64)
+    pos_ += sizeof(T);
+    return v;
+  }
+  uint8_t u8(const char* f) { return read<uint8_t>(f); }
+  uint32_t u32(const char* f) { return read<uint32_t>(f); }
+  uint64_t u64(const char* f) { return read<uint64_t>(f); }
+
+  std::string str(const char* field) {
+    uint64_t start = pos_;
+    uint64_t len = u64(field);
+    if (len > remaining()) {
+      fail(ErrorKind::InvalidInput, path_, ": truncated: ", where, " ", field, " at byte ", start,
+           " has length ", len, " but only ", remaining(), " bytes remain in the ", size_,
+           "-byte file");
+    }
+    std::string s(reinterpret_cast<const char*>(base_ + pos_), static_cast<size_t>(len));
+    pos_ += len;
+    return s;
+  }
+
+  [[noreturn]] void error(uint64_t at, const std::string& what) const {
+    fail(ErrorKind::InvalidInput, path_, ": ", what, " (", where, ", at byte ", at, ")");
+  }
+
+ private:
+  const std::string& path_;
+  const uint8_t* base_;
+  uint64_t size_;
+  uint64_t pos_ = 0;
+};
+
+uint32_t read_value_type(Cursor& c, const char* field) {
+  uint64_t at = c.pos();
+  uint32_t t = c.u32(field);
+  if (t >= kNumValueTypes) c.error(at, std::string("unknown value type ") + std::to_string(t));
+  return t;
+}
+
+void read_value(Cursor& c, GgufValueType type, GgufValue& out, uint32_t depth);
+
+// One scalar element of a fixed-size type, as (int64, uint64, double).
+void read_scalar(Cursor& c, GgufValueType t, int64_t& i, uint64_t& u, double& f) {
+  u = 0;
+  switch (t) {
+    case GgufValueType::UINT8: u = c.u8("uint8 value"); i = static_cast<int64_t>(u); break;
+    case GgufValueType::INT8: i = c.read<int8_t>("int8 value"); break;
+    case GgufValueType::UINT16: u = c.read<uint16_t>("uint16 value"); i = static_cast<int64_t>(u); break;
+    case GgufValueType::INT16: i = c.read<int16_t>("int16 value"); break;
+    case GgufValueType::UINT32: u = c.u32("uint32 value"); i = static_cast<int64_t>(u); break;
+    case GgufValueType::INT32: i = c.read<int32_t>("int32 value"); break;
+    case GgufValueType::UINT64: u = c.u64("uint64 value"); i = static_cast<int64_t>(u); break;
+    case GgufValueType::INT64: i = c.read<int64_t>("int64 value"); break;
+    case GgufValueType::FLOAT32: f = c.read<float>("float32 value"); break;
+    case GgufValueType::FLOAT64: f = c.read<double>("float64 value"); break;
+    case GgufValueType::BOOL: {
+      uint64_t at = c.pos();
+      uint8_t b = c.u8("bool value");
+      if (b > 1) c.error(at, "bool value is " + std::to_string(b) + ", not 0 or 1");
+      i = b;
+      break;
+    }
+    default: c.error(c.pos(), "internal: not a scalar type");
+  }
+}
+
+void read_array(Cursor& c, GgufValue& out, uint32_t depth) {
+  uint64_t at = c.pos();
+  if (depth >= kMaxArrayDepth) {
+    c.error(at, "arrays nested deeper than " + std::to_string(kMaxArrayDepth) + " levels");
+  }
+  auto et = static_cast<GgufValueType>(read_value_type(c, "array element type"));
+  out.elem_type = et;
+  uint64_t count_at = c.pos();
+  uint64_t n = c.u64("array length");
+  // Bound the count by the bytes left before allocating anything.
+  uint64_t min_elem = fixed_size(et);
+  if (min_elem == 0) min_elem = et == GgufValueType::STRING ? 8 : 12;  // string len / nested header
+  if (n > c.remaining() / min_elem) {
+    c.error(count_at, "truncated or corrupt: array of " + std::to_string(n) + " " +
+                          value_type_name(static_cast<uint32_t>(et)) + " elements needs at least " +
+                          (n > std::numeric_limits<uint64_t>::max() / min_elem
+                               ? std::string("2^64")
+                               : std::to_string(n * min_elem)) +
+                          " bytes but only " + std::to_string(c.remaining()) + " remain in the file");
+  }
+  size_t count = static_cast<size_t>(n);
+  if (et == GgufValueType::STRING) {
+    out.strings.reserve(count);
+    for (size_t k = 0; k < count; ++k) out.strings.push_back(c.str("array string"));
+  } else if (et == GgufValueType::ARRAY) {
+    out.items.reserve(count);
+    for (size_t k = 0; k < count; ++k) {
+      out.items.emplace_back();
+      out.items.back().type = GgufValueType::ARRAY;
+      read_array(c, out.items.back(), depth + 1);
+    }
+  } else if (is_float(et)) {
+    out.floats.resize(count);
+    int64_t i; uint64_t u;
+    for (size_t k = 0; k < count; ++k) read_scalar(c, et, i, u, out.floats[k]);
+  } else {
+    out.ints.resize(count);
+    uint64_t u; double f;
+    for (size_t k = 0; k < count; ++k) read_scalar(c, et, out.ints[k], u, f);
+  }
+}
+
+void read_value(Cursor& c, GgufValueType type, GgufValue& out, uint32_t depth) {
+  out.type = type;
+  if (type == GgufValueType::STRING) {
+    out.s = c.str("string value");
+  } else if (type == GgufValueType::ARRAY) {
+    read_array(c, out, depth);
+  } else {
+    read_scalar(c, type, out.i, out.u, out.f);
+  }
+}
+
+uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }  // caller checks overflow
+
+[[noreturn]] void not_gguf(const std::string& path, const uint8_t* p, uint64_t size) {
+  auto starts = [&](const char* m, size_t n) { return size >= n && std::memcmp(p, m, n) == 0; };
+  const char* what = nullptr;
+  if (starts("tjgg", 4) || starts("fmgg", 4) || starts("lmgg", 4) || starts("algg", 4) ||
+      starts("ggjt", 4) || starts("ggmf", 4) || starts("ggml", 4)) {
+    what = "a legacy GGML/GGJT model file (pre-GGUF); convert it to GGUF first";
+  } else if (starts("FUGG", 4)) {
+    what = "byte-swapped GGUF magic (big-endian file?); only little-endian GGUF is supported";
+  } else if (starts("PK\x03\x04", 4)) {
+    what = "a ZIP archive (PyTorch checkpoint?), not GGUF";
+  } else if (starts("\x89HDF", 4)) {
+    what = "an HDF5 file, not GGUF";
+  } else if (size >= 9 && p[8] == '{') {
+    what = "a safetensors file, not GGUF (convert it with `tensorfold convert`)";
+  } else if (size >= 2 && p[0] == 0x80 && p[1] <= 5) {
+    what = "a Python pickle, not GGUF";
+  } else if (starts("{", 1) || starts("<", 1) || starts("#", 1)) {
+    what = "a text file, not GGUF";
+  }
+  std::string magic;
+  for (uint64_t k = 0; k < 4 && k < size; ++k) {
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "%02x", p[k]);
+    if (k) magic += ' ';
+    magic += buf;
+  }
+  if (what) fail(ErrorKind::InvalidInput, path, ": not a GGUF file: looks like ", what,
+                 " (magic bytes ", magic, " at byte 0)");
+  fail(ErrorKind::InvalidInput, path, ": not a GGUF file: bad magic (bytes ", magic,
+       " at byte 0, expected 'GGUF' = 47 47 55 46)");
+}
+
+}  // namespace
+
+size_t GgufValue::array_size() const {
+  if (type != GgufValueType::ARRAY) return 0;
+  switch (elem_type) {
+    case GgufValueType::STRING: return strings.size();
+    case GgufValueType::ARRAY: return items.size();
+    case GgufValueType::FLOAT32: case GgufValueType::FLOAT64: return floats.size();
+    default: return ints.size();
+  }
+}
+
+int64_t GgufTensorInfo::n_elements() const {
+  int64_t n = 1;
+  for (int64_t d : ne) n *= d;  // validated at open not to overflow
+  return n;
+}
+
+GgufFile::~GgufFile() {
+  if (base_) munmap(const_cast<uint8_t*>(base_), static_cast<size_t>(size_));
+}
+
+std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
+  std::shared_ptr<GgufFile> f(new GgufFile());
+  f->path_ = path;
+
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    fail(ErrorKind::InvalidInput, path, ": cannot open: ", std::strerror(e));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    fail(ErrorKind::InvalidInput, path, ": cannot stat: ", std::strerror(e));
+  }
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    fail(ErrorKind::InvalidInput, path, ": cannot open: Is a directory");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(ErrorKind::InvalidInput, path, ": not a regular file");
+  }
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size == 0) {
+    ::close(fd);
+    fail(ErrorKind::InvalidInput, path, ": truncated: the file is empty (0 bytes), not a GGUF file");
+  }
+  if (size > static_cast<uint64_t>(std::numeric_limits<size_t>::max())) {
+    ::close(fd);
+    fail(ErrorKind::InvalidInput, path, ": file too large to map");
+  }
+  void* m = mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
+  int merr = errno;
+  ::close(fd);
+  if (m == MAP_FAILED) fail(ErrorKind::InvalidInput, path, ": cannot mmap: ", std::strerror(merr));
+  f->base_ = static_cast<const uint8_t*>(m);
+  f->size_ = size;
+  const uint8_t* p = f->base_;
+
+  Cursor c(f->path_, p, size);
+  c.where = "header";
+  if (std::memcmp(p, "GGUF", size < 4 ? static_cast<size_t>(size) : 4) != 0) {
+    not_gguf(path, p, size);
+  }
+  c.u32("magic");
+  uint64_t at = c.pos();
+  uint32_t version = c.u32("version");
+  if (version == 1) {
+    c.error(at, "GGUF version 1 is not supported (only versions 2 and 3; re-convert the model)");
+  }
+  if (version != 2 && version != 3) {
+    uint32_t swapped = __builtin_bswap32(version);
+    if (swapped == 2 || swapped == 3) {
+      c.error(at, "big-endian GGUF (version " + std::to_string(swapped) +
+                      " byte-swapped) is not supported; only little-endian files are");
+    }
+    c.error(at, "unsupported GGUF version " + std::to_string(version) + " (supported: 2 and 3)");
+  }
+  f->version_ = version;
+
+  uint64_t tc_at = c.pos();
+  uint64_t tensor_count = c.u64("tensor_count");
+  uint64_t kc_at = c.pos();
+  uint64_t kv_count = c.u64("kv_count");
+  if (kv_count > c.remaining() / kMinKvBytes) {
+    c.error(kc_at, "truncated or corrupt: kv_count " + std::to_string(kv_count) +
+                       " cannot fit in the " + std::to_string(c.remaining()) +
+                       " bytes after the header of the " + std::to_string(size) + "-byte file");
+  }
+  if (tensor_count > (c.remaining() - kv_count * kMinKvBytes) / kMinTensorInfoBytes) {
+    c.error(tc_at, "truncated or corrupt: tensor_count " + std::to_string(tensor_count) +
+                       " cannot fit in the " + std::to_string(c.remaining()) +
+                       " bytes after the header of the " + std::to_string(size) + "-byte file");
+  }
+
+  // ---- key/value metadata ----
+  f->kv_.reserve(static_cast<size_t>(kv_count));
+  std::unordered_set<std::string> keys;
+  keys.reserve(static_cast<size_t>(kv_count));
+  bool have_alignment = false;
+  for (uint64_t k = 0; k < kv_count; ++k) {
+    c.where = "key #" + std::to_string(k);
+    uint64_t key_at = c.pos();
+    std::string key = c.str("key");
+    if (key.empty()) c.error(key_at, "empty metadata key");
+    c.where = "key #" + std::to_string(k) + " (" + quote(key) + ")";
+    if (!keys.insert(key).second) c.error(key_at, "duplicate metadata key " + quote(key));
+    auto type = static_cast<GgufValueType>(read_value_type(c, "value type"));
+    uint64_t val_at = c.pos();
+    GgufValue v;
+    read_value(c, type, v, 0);
+    if (key == "general.alignment") {
+      if (type != GgufValueType::UINT32) {
+        c.error(val_at, "general.alignment has type " + describe_type(v) + ", expected uint32");
+      }
+      if (v.u == 0 || (v.u & (v.u - 1)) != 0) {
+        c.error(val_at, "general.alignment is " + std::to_string(v.u) +
+                            ", expected a nonzero power of two");
+      }
+      f->alignment_ = v.u;
+      have_alignment = true;
+    }
+    f->kv_.emplace_back(std::move(key), std::move(v));
+  }
+  if (!have_alignment) f->alignment_ = kDefaultAlignment;
+  const uint64_t align = f->alignment_;
+
+  // ---- tensor infos ----
+  f->tensors_.reserve(static_cast<size_t>(tensor_count));
+  std::unordered_set<std::string> names;
+  names.reserve(static_cast<size_t>(tensor_count));
+  std::vector<uint64_t> offset_pos;  // byte position of each tensor's offset field
+  offset_pos.reserve(static_cast<size_t>(tensor_count));
+  for (uint64_t t = 0; t < tensor_count; ++t) {
+    c.where = "tensor info #" + std::to_string(t);
+    uint64_t name_at = c.pos();
+    GgufTensorInfo ti;
+    ti.name = c.str("name");
+    if (ti.name.empty()) c.error(name_at, "empty tensor name");
+    c.where = "tensor info #" + std::to_string(t) + " (" + quote(ti.name) + ")";
+    if (!names.insert(ti.name).second) c.error(name_at, "duplicate tensor name " + quote(ti.name));
+    uint64_t nd_at = c.pos();
+    uint32_t n_dims = c.u32("n_dims");
+    if (n_dims < 1 || n_dims > 4) {
+      c.error(nd_at, "n_dims is " + std::to_string(n_dims) + ", expected 1..4");
+    }
+    ti.ne.resize(n_dims);
+    int64_t nelem = 1;
+    for (uint32_t d = 0; d < n_dims; ++d) {
+      uint64_t d_at = c.pos();
+      uint64_t ne = c.u64("dimension");
+      if (ne == 0) c.error(d_at, "dimension " + std::to_string(d) + " is zero");
+      if (ne > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        c.error(d_at, "dimension " + std::to_string(d) + " is " + std::to_string(ne) +
+                          ", larger than INT64_MAX");
+      }
+      ti.ne[d] = static_cast<int64_t>(ne);
+      if (__builtin_mul_overflow(nelem, ti.ne[d], &nelem)) {
+        c.error(d_at, "element count overflows int64 (dimensions too large)");
+      }
+    }
+    uint64_t type_at = c.pos();
+    ti.type_id = c.u32("type");
+    const TypeTraits* tr = find_type_traits(ti.type_id);
+    if (!tr) c.error(type_at, "unknown tensor type id " + std::to_string(ti.type_id));
+    ti.type_supported = tr->supported;
+    if (tr->block_size <= 0 || ti.ne[0] % tr->block_size != 0) {
+      c.error(nd_at, "ne[0] = " + std::to_string(ti.ne[0]) + " is not a multiple of the " +
+                         tr->name + " block size " + std::to_string(tr->block_size));
+    }
+    uint64_t blocks = static_cast<uint64_t>(nelem) / static_cast<uint64_t>(tr->block_size);
+    if (__builtin_mul_overflow(blocks, static_cast<uint64_t>(tr->type_size), &ti.nbytes)) {
+      c.error(nd_at, "byte size overflows (dimensions too large)");
+    }
+    offset_pos.push_back(c.pos());
+    ti.offset = c.u64("offset");  // relative to the data section for now
+    f->tensors_.push_back(std::move(ti));
+  }
+
+  // ---- data section ----
+  uint64_t header_end = c.pos();
+  if (header_end > std::numeric_limits<uint64_t>::max() - align) {
+    c.error(header_end, "header end overflows when aligned");
+  }
+  uint64_t data_off = align_up(header_end, align);
+  if (data_off > size) {
+    if (!f->tensors_.empty()) {
+      c.where = "data section";
+      fail(ErrorKind::InvalidInput, path, ": truncated: the data section starts at byte ",
+           data_off, " (header end ", header_end, " aligned to ", align,
+           ") past the end of the ", size, "-byte file");
+    }
+    data_off = size;  // no tensors: tolerate a file that ends without the final padding
+  }
+  f->data_offset_ = data_off;
+  const uint64_t data_size = size - data_off;
+  for (size_t t = 0; t < f->tensors_.size(); ++t) {
+    GgufTensorInfo& ti = f->tensors_[t];
+    c.where = "tensor info #" + std::to_string(t) + " (" + quote(ti.name) + ")";
+    uint64_t rel = ti.offset;
+    if (rel % align != 0) {
+      c.error(offset_pos[t], "tensor data offset " + std::to_string(rel) +
+                                 " is not a multiple of the alignment " + std::to_string(align));
+    }
+    if (rel > data_size || ti.nbytes > data_size - rel) {
+      fail(ErrorKind::InvalidInput, path, ": truncated: ", c.where, " data [",
+           data_off, " + ", rel, ", ", ti.nbytes, " bytes) ends past the end of the ", size,
+           "-byte file (offset field at byte ", offset_pos[t], ")");
+    }
+    ti.offset = data_off + rel;
+    ti.data = p + ti.offset;
+  }
+  return f;
+}
+
+const GgufValue* GgufFile::find(const std::string& key) const {
+  for (const auto& kv : kv_) {
+    if (kv.first == key) return &kv.second;
+  }
+  return nullptr;
+}
+
+const GgufTensorInfo* GgufFile::find_tensor(const std::string& name) const {
+  for (const auto& t : tensors_) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+namespace {
+
+[[noreturn]] void missing(const std::string& path, const std::string& key) {
+  fail(ErrorKind::InvalidInput, path, ": metadata key '", key, "' is missing");
+}
+
+[[noreturn]] void wrong_type(const std::string& path, const std::string& key, const GgufValue& v,
+                             const char* expected) {
+  fail(ErrorKind::InvalidInput, path, ": metadata key '", key, "' has type ", describe_type(v),
+       ", expected ", expected);
+}
+
+int64_t as_int(const std::string& path, const std::string& key, const GgufValue& v) {
+  if (v.type == GgufValueType::BOOL) return v.i;
+  if (!is_integer(v.type)) wrong_type(path, key, v, "an integer");
+  if (v.type == GgufValueType::UINT64 &&
+      v.u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    fail(ErrorKind::InvalidInput, path, ": metadata key '", key, "' value ", v.u,
+         " does not fit in int64");
+  }
+  return v.i;
+}
+
+double as_float(const std::string& path, const std::string& key, const GgufValue& v) {
+  if (is_float(v.type)) return v.f;
+  if (v.type == GgufValueType::UINT64) return static_cast<double>(v.u);
+  if (is_integer(v.type)) return static_cast<double>(v.i);
+  wrong_type(path, key, v, "a float");
+}
+
+}  // namespace
+
+int64_t GgufFile::get_int(const std::string& key) const {
+  const GgufValue* v = find(key);
+  if (!v) missing(path_, key);
+  return as_int(path_, key, *v);
+}
+
+int64_t GgufFile::get_int(const std::string& key, int64_t def) const {
+  const GgufValue* v = find(key);
+  return v ? as_int(path_, key, *v) : def;
+}
+
+double GgufFile::get_float(const std::string& key) const {
+  const GgufValue* v = find(key);
+  if (!v) missing(path_, key);
+  return as_float(path_, key, *v);
+}
+
+double GgufFile::get_float(const std::string& key, double def) const {
+  const GgufValue* v = find(key);
+  return v ? as_float(path_, key, *v) : def;
+}
+
+std::string GgufFile::get_string(const std::string& key) const {
+  const GgufValue* v = find(key);
+  if (!v) missing(path_, key);
+  if (v->type != GgufValueType::STRING) wrong_type(path_, key, *v, "string");
+  return v->s;
+}
+
+std::string GgufFile::get_string(const std::string& key, const std::string& def) const {
+  const GgufValue* v = find(key);
+  if (!v) return def;
+  if (v->type != GgufValueType::STRING) wrong_type(path_, key, *v, "string");
+  return v->s;
+}
+
+bool GgufFile::get_bool(const std::string& key, bool def) const {
+  const GgufValue* v = find(key);
+  if (!v) return def;
+  if (v->type == GgufValueType::BOOL) return v->i != 0;
+  if (is_integer(v->type)) return v->i != 0;
+  wrong_type(path_, key, *v, "bool");
+}
+
+}  // namespace tf

@@ -1,1 +1,79 @@
-// placeholder: implementation lands with its component
+#include "kv/paged_kv_cache.h"
+
+#include <new>
+
+#include "core/error.h"
+
+namespace tf {
+
+PagedKvCache::PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks)
+    : n_layer_(n_layer), n_kv_head_(n_kv_head), head_dim_(head_dim), block_size_(block_size),
+      n_blocks_(n_blocks) {
+  TF_CHECK(n_layer > 0 && n_kv_head > 0 && head_dim > 0 && block_size > 0 && n_blocks > 0,
+           "invalid KV cache geometry");
+  const size_t elems = size_t(n_layer) * size_t(n_blocks) * 2 * size_t(n_kv_head) *
+                       size_t(block_size) * size_t(head_dim);
+  n_elems_ = elems;
+  storage_.reset(new (std::nothrow) uint16_t[elems]);
+  if (!storage_) {
+    fail(ErrorKind::OutOfMemory, "cannot allocate the KV cache pool (", elems * 2 / (1 << 20),
+         " MiB); lower kv_tokens");
+  }
+  free_list_.reserve(size_t(n_blocks));
+  // Hand out low block ids first (LIFO stack: push in reverse).
+  for (int64_t b = n_blocks - 1; b >= 0; --b) free_list_.push_back(int32_t(b));
+}
+
+int PagedKvCache::create_sequence() {
+  for (size_t i = 0; i < slot_used_.size(); ++i) {
+    if (!slot_used_[i]) {
+      slot_used_[i] = true;
+      tables_[i].clear();
+      return int(i);
+    }
+  }
+  slot_used_.push_back(true);
+  tables_.emplace_back();
+  return int(tables_.size() - 1);
+}
+
+void PagedKvCache::free_sequence(int seq) {
+  TF_CHECK(seq >= 0 && size_t(seq) < slot_used_.size() && slot_used_[size_t(seq)],
+           "free_sequence: unknown sequence ", seq);
+  for (int32_t b : tables_[size_t(seq)]) free_list_.push_back(b);
+  tables_[size_t(seq)].clear();
+  slot_used_[size_t(seq)] = false;
+}
+
+int64_t PagedKvCache::blocks_needed(int seq, int64_t n_tokens) const {
+  const int64_t want = (n_tokens + block_size_ - 1) / block_size_;
+  const int64_t have = int64_t(tables_[size_t(seq)].size());
+  return want > have ? want - have : 0;
+}
+
+bool PagedKvCache::reserve(int seq, int64_t n_tokens) {
+  const int64_t need = blocks_needed(seq, n_tokens);
+  if (need > int64_t(free_list_.size())) return false;
+  auto& table = tables_[size_t(seq)];
+  for (int64_t i = 0; i < need; ++i) {
+    table.push_back(free_list_.back());
+    free_list_.pop_back();
+  }
+  return true;
+}
+
+int64_t PagedKvCache::capacity(int seq) const {
+  return int64_t(tables_[size_t(seq)].size()) * block_size_;
+}
+
+uint16_t* PagedKvCache::k_row(int layer, int seq, int64_t pos, int kv_head) {
+  const int32_t block = tables_[size_t(seq)][size_t(pos / block_size_)];
+  return k_block(layer, block, kv_head) + size_t(pos % block_size_) * size_t(head_dim_);
+}
+
+uint16_t* PagedKvCache::v_row(int layer, int seq, int64_t pos, int kv_head) {
+  const int32_t block = tables_[size_t(seq)][size_t(pos / block_size_)];
+  return v_block(layer, block, kv_head) + size_t(pos % block_size_) * size_t(head_dim_);
+}
+
+}  // namespace tf

@@ -1,1 +1,309 @@
-// placeholder: implementation lands with its component
+#include "model/llama_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cpu/vec_ops.h"
+#include "core/error.h"
+#include "core/half.h"
+#include "quant/traits.h"
+
+namespace tf {
+
+namespace {
+std::string shape_str(const std::vector<int64_t>& ne) {
+  std::string s = "[";
+  for (size_t i = 0; i < ne.size(); ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
+  return s + "]";
+}
+}  // namespace
+
+Weight LlamaModel::load_weight(const std::string& name, int64_t k, int64_t rows, bool required) {
+  const GgufTensorInfo* t = file_->find_tensor(name);
+  if (!t) {
+    if (required) fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " is missing");
+    return Weight{};
+  }
+  if (t->ne.size() != 2 || t->ne[0] != k || t->ne[1] != rows)
+    fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " has shape ", shape_str(t->ne),
+         ", expected [", k, ", ", rows, "]");
+  if (!t->type_supported)
+    fail(ErrorKind::Unsupported, file_->path(), ": tensor ", name, " has type ",
+         type_name(t->type_id) ? type_name(t->type_id) : "?",
+         " which TensorFold cannot compute with yet (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, "
+         "Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); re-quantize the model to one of these");
+  Weight w;
+  w.type = t->type();
+  w.k = k;
+  w.rows = rows;
+  w.data = t->data;
+  w.row_stride = row_bytes(w.type, k);
+  weight_bytes_ += t->nbytes;
+  return w;
+}
+
+const float* LlamaModel::load_vector(const std::string& name, int64_t n, bool required) {
+  const GgufTensorInfo* t = file_->find_tensor(name);
+  if (!t) {
+    if (required) fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " is missing");
+    return nullptr;
+  }
+  if (t->ne.size() != 1 || t->ne[0] != n)
+    fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " has shape ", shape_str(t->ne),
+         ", expected [", n, "]");
+  weight_bytes_ += t->nbytes;
+  if (t->type() == GgmlType::F32) return reinterpret_cast<const float*>(t->data);
+  if (!t->type_supported)
+    fail(ErrorKind::Unsupported, file_->path(), ": tensor ", name, " has an unsupported type");
+  // Small vectors in other formats are converted once at load.
+  owned_vectors_.emplace_back(size_t(n));
+  type_traits(t->type()).dequantize_ref(t->data, owned_vectors_.back().data(), n);
+  return owned_vectors_.back().data();
+}
+
+LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file) : file_(std::move(file)) {
+  cfg_ = ModelConfig::from_gguf(*file_);
+  const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim;
+  tok_embd_ = load_weight("token_embd.weight", E, cfg_.n_vocab);
+  output_norm_ = load_vector("output_norm.weight", E);
+  output_ = cfg_.tied_output ? tok_embd_ : load_weight("output.weight", E, cfg_.n_vocab);
+  layers_.resize(size_t(cfg_.n_layer));
+  for (int il = 0; il < cfg_.n_layer; ++il) {
+    const std::string p = "blk." + std::to_string(il) + ".";
+    LayerWeights& L = layers_[size_t(il)];
+    L.attn_norm = load_vector(p + "attn_norm.weight", E);
+    L.wq = load_weight(p + "attn_q.weight", E, H * D);
+    L.wk = load_weight(p + "attn_k.weight", E, HK * D);
+    L.wv = load_weight(p + "attn_v.weight", E, HK * D);
+    L.wo = load_weight(p + "attn_output.weight", H * D, E);
+    if (cfg_.qkv_bias) {
+      L.bq = load_vector(p + "attn_q.bias", H * D);
+      L.bk = load_vector(p + "attn_k.bias", HK * D);
+      L.bv = load_vector(p + "attn_v.bias", HK * D);
+    }
+    if (cfg_.qk_norm) {
+      L.q_norm = load_vector(p + "attn_q_norm.weight", D);
+      L.k_norm = load_vector(p + "attn_k_norm.weight", D);
+    }
+    L.ffn_norm = load_vector(p + "ffn_norm.weight", E);
+    L.w_gate = load_weight(p + "ffn_gate.weight", E, cfg_.n_ff);
+    L.w_up = load_weight(p + "ffn_up.weight", E, cfg_.n_ff);
+    L.w_down = load_weight(p + "ffn_down.weight", cfg_.n_ff, E);
+    if (L.wq.type != L.wk.type || L.wq.type != L.wv.type || L.w_gate.type != L.w_up.type)
+      fail(ErrorKind::Unsupported, file_->path(), ": layer ", il,
+           " mixes weight types within q/k/v or gate/up; not supported yet");
+  }
+}
+
+void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
+  TF_CHECK(max_tokens > 0 && max_ctx > 0 && n_threads > 0, "invalid scratch sizes");
+  max_tokens_ = max_tokens;
+  max_ctx_ = max_ctx;
+  n_threads_ = n_threads;
+  const size_t T = size_t(max_tokens);
+  const size_t E = size_t(cfg_.n_embd), QD = size_t(cfg_.n_head) * size_t(cfg_.head_dim),
+               KD = size_t(cfg_.n_head_kv) * size_t(cfg_.head_dim), F = size_t(cfg_.n_ff);
+  x_.assign(T * E, 0.f);
+  xn_.assign(T * E, 0.f);
+  q_.assign(T * QD, 0.f);
+  k_.assign(T * KD, 0.f);
+  v_.assign(T * KD, 0.f);
+  attn_.assign(T * QD, 0.f);
+  gate_.assign(T * F, 0.f);
+  up_.assign(T * F, 0.f);
+  rope_cs_.assign(T * size_t(cfg_.rope_dim), 0.f);
+  scores_.assign(size_t(n_threads) * size_t(max_ctx), 0.f);
+  size_t act = 0;
+  auto consider = [&](const Weight& w) { act = std::max(act, cpu::act_row_bytes(w.type, w.k)); };
+  consider(output_);
+  for (const auto& L : layers_) {
+    consider(L.wq); consider(L.wo); consider(L.w_gate); consider(L.w_down);
+  }
+  act_stride_ = (act + 63) & ~size_t(63);
+  act_.assign(T * act_stride_, 0);
+}
+
+void LlamaModel::quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool) {
+  // Rows of x are k floats apart.
+  pool.parallel_for(T, std::max<int64_t>(1, 8), [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c)
+      cpu::quantize_act_row(t, x + c * k, act_.data() + size_t(c) * act_stride_, k);
+  });
+}
+
+void LlamaModel::matmul(std::initializer_list<std::pair<const Weight*, float*>> ws, int64_t T,
+                        ThreadPool& pool) {
+  pool.run([&](int t, int nt) {
+    for (const auto& [w, y] : ws) {
+      // Split rows evenly in multiples of 16 so kernels see whole row tiles.
+      const int64_t per = ((w->rows + nt - 1) / nt + 15) & ~int64_t(15);
+      const int64_t r0 = std::min(w->rows, per * t), r1 = std::min(w->rows, per * (t + 1));
+      if (r0 < r1)
+        cpu::matmul_rows(w->type, w->k, w->data, w->row_stride, r0, r1, act_.data(), act_stride_, T,
+                         y, w->rows);
+    }
+  });
+}
+
+void LlamaModel::rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x + t * n;
+    float* yr = y + t * n;
+    double sum = 0.0;  // double accumulation, like ggml
+    for (int64_t i = 0; i < n; ++i) sum += double(xr[i] * xr[i]);
+    const float scale = 1.0f / std::sqrt(float(sum / double(n)) + cfg_.rms_eps);
+    for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] * scale) * w[i];
+  }
+}
+
+namespace {
+// Rotate one head in place. cs holds (cos, sin) pairs for each rotated dimension pair.
+inline void rope_head(float* v, const float* cs, int rope_dim, bool neox) {
+  const int half = rope_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const float c = cs[2 * i], s = cs[2 * i + 1];
+    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    const float x0 = v[a], x1 = v[b];
+    v[a] = x0 * c - x1 * s;
+    v[b] = x0 * s + x1 * c;
+  }
+}
+
+inline void head_rmsnorm(float* v, const float* w, int n, float eps) {
+  double sum = 0.0;
+  for (int i = 0; i < n; ++i) sum += double(v[i] * v[i]);
+  const float scale = 1.0f / std::sqrt(float(sum / double(n)) + eps);
+  for (int i = 0; i < n; ++i) v[i] = (v[i] * scale) * w[i];
+}
+}  // namespace
+
+void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv,
+                           ThreadPool& pool) {
+  const int H = cfg_.n_head, D = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv;
+  const int64_t T = int64_t(batch.size());
+  const int bs = kv.block_size();
+  const float scale = 1.0f / std::sqrt(float(D));
+  const cpu::VecOps& ops = cpu::vec_ops();
+  const int64_t items = T * H;
+  pool.run([&](int tid, int nt) {
+    float* scores = scores_.data() + size_t(tid) * size_t(max_ctx_);
+    // Strided assignment balances the triangular cost of causal prefill.
+    for (int64_t it = tid; it < items; it += nt) {
+      const int64_t t = it / H;
+      const int h = int(it % H), g = h / group;
+      const BatchToken& bt = batch[size_t(t)];
+      const float* q = q_.data() + (t * H + h) * D;
+      float* out = attn_.data() + (t * H + h) * D;
+      const int64_t n = int64_t(bt.pos) + 1;
+      const auto& table = kv.block_table(bt.seq);
+      float mx = -INFINITY;
+      for (int64_t j0 = 0, b = 0; j0 < n; j0 += bs, ++b) {
+        const uint16_t* kb = kv.k_block(layer, table[size_t(b)], g);
+        const int64_t m = std::min<int64_t>(bs, n - j0);
+        for (int64_t j = 0; j < m; ++j) {
+          const float s = ops.dot_f32_f16(D, q, kb + j * D) * scale;
+          scores[j0 + j] = s;
+          mx = std::max(mx, s);
+        }
+      }
+      const float sum = ops.exp_sub_sum(n, scores, mx);
+      std::fill(out, out + D, 0.f);
+      for (int64_t j0 = 0, b = 0; j0 < n; j0 += bs, ++b) {
+        const uint16_t* vb = kv.v_block(layer, table[size_t(b)], g);
+        const int64_t m = std::min<int64_t>(bs, n - j0);
+        for (int64_t j = 0; j < m; ++j) ops.axpy_f16(D, scores[j0 + j], vb + j * D, out);
+      }
+      ops.scale(D, out, 1.0f / sum);
+    }
+  });
+}
+
+void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv, ThreadPool& pool,
+                         float* logits) {
+  const int64_t T = int64_t(batch.size());
+  TF_CHECK(T > 0 && T <= max_tokens_, "batch of ", T, " tokens exceeds the reserved ", max_tokens_);
+  const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim;
+  const int64_t QD = H * D, KD = HK * D, F = cfg_.n_ff;
+  const int rd = cfg_.rope_dim;
+  const cpu::VecOps& ops = cpu::vec_ops();
+
+  // Embedding rows and the rotary table for each token (shared by all layers).
+  const TypeTraits& emb_tr = type_traits(tok_embd_.type);
+  const float theta_scale = std::pow(cfg_.rope_base, -2.0f / float(rd));
+  for (int64_t t = 0; t < T; ++t) {
+    const BatchToken& bt = batch[size_t(t)];
+    TF_CHECK(bt.token >= 0 && bt.token < cfg_.n_vocab, "token id ", bt.token, " out of range");
+    TF_CHECK(bt.pos >= 0 && bt.pos < max_ctx_, "position ", bt.pos, " exceeds the context");
+    emb_tr.dequantize_ref(tok_embd_.data + size_t(bt.token) * tok_embd_.row_stride, x_.data() + t * E, E);
+    float theta = float(bt.pos);
+    float* cs = rope_cs_.data() + t * rd;
+    for (int i = 0; i < rd / 2; ++i) {
+      const float th = theta * cfg_.rope_freq_scale;
+      cs[2 * i] = std::cos(th);
+      cs[2 * i + 1] = std::sin(th);
+      theta *= theta_scale;
+    }
+  }
+
+  for (int il = 0; il < cfg_.n_layer; ++il) {
+    const LayerWeights& L = layers_[size_t(il)];
+    rmsnorm(x_.data(), L.attn_norm, xn_.data(), T, E);
+    quantize_acts(L.wq.type, xn_.data(), T, E, pool);
+    matmul({{&L.wq, q_.data()}, {&L.wk, k_.data()}, {&L.wv, v_.data()}}, T, pool);
+    // Per-token: bias, q/k norm, rope, then store K/V into the sequence's pages.
+    pool.parallel_for(T, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        float* q = q_.data() + t * QD;
+        float* k = k_.data() + t * KD;
+        float* v = v_.data() + t * KD;
+        if (L.bq) {
+          for (int64_t i = 0; i < QD; ++i) q[i] += L.bq[i];
+          for (int64_t i = 0; i < KD; ++i) k[i] += L.bk[i];
+          for (int64_t i = 0; i < KD; ++i) v[i] += L.bv[i];
+        }
+        const float* cs = rope_cs_.data() + t * rd;
+        for (int64_t h = 0; h < H; ++h) {
+          if (L.q_norm) head_rmsnorm(q + h * D, L.q_norm, int(D), cfg_.rms_eps);
+          rope_head(q + h * D, cs, rd, cfg_.rope_neox);
+        }
+        const BatchToken& bt = batch[size_t(t)];
+        for (int64_t h = 0; h < HK; ++h) {
+          if (L.k_norm) head_rmsnorm(k + h * D, L.k_norm, int(D), cfg_.rms_eps);
+          rope_head(k + h * D, cs, rd, cfg_.rope_neox);
+          ops.f32_to_f16(D, k + h * D, kv.k_row(il, bt.seq, bt.pos, int(h)));
+          ops.f32_to_f16(D, v + h * D, kv.v_row(il, bt.seq, bt.pos, int(h)));
+        }
+      }
+    });
+    attention(batch, il, kv, pool);
+    quantize_acts(L.wo.type, attn_.data(), T, QD, pool);
+    matmul({{&L.wo, xn_.data()}}, T, pool);
+    for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
+
+    rmsnorm(x_.data(), L.ffn_norm, xn_.data(), T, E);
+    quantize_acts(L.w_gate.type, xn_.data(), T, E, pool);
+    matmul({{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}}, T, pool);
+    pool.parallel_for(T, 4, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        ops.silu_mul(F, gate_.data() + t * F, up_.data() + t * F, gate_.data() + t * F);
+    });
+    quantize_acts(L.w_down.type, gate_.data(), T, F, pool);
+    matmul({{&L.w_down, xn_.data()}}, T, pool);
+    for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
+  }
+
+  // Final norm and LM head, only for the tokens whose logits are wanted.
+  int64_t n_out = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (!batch[size_t(t)].want_logits) continue;
+    rmsnorm(x_.data() + t * E, output_norm_, xn_.data() + n_out * E, 1, E);
+    ++n_out;
+  }
+  if (n_out == 0) return;
+  quantize_acts(output_.type, xn_.data(), n_out, E, pool);
+  matmul({{&output_, logits}}, n_out, pool);
+}
+
+}  // namespace tf

@@ -1,1 +1,64 @@
-// placeholder: implementation lands with its component
+#include "backend/cpu/vec_ops.h"
+
+#include <cmath>
+
+#include "core/cpu_features.h"
+#include "core/half.h"
+
+namespace tf::cpu {
+
+#if defined(TF_HAVE_X86_KERNELS)
+const VecOps* vec_ops_avx512_table();  // vec_ops_avx512.cpp
+#endif
+
+namespace {
+
+float dot_f32_f16_scalar(int64_t n, const float* a, const uint16_t* b) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * fp16_to_fp32(b[i]);
+  return s;
+}
+
+void axpy_f16_scalar(int64_t n, float alpha, const uint16_t* x, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * fp16_to_fp32(x[i]);
+}
+
+void f32_to_f16_scalar(int64_t n, const float* x, uint16_t* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = fp32_to_fp16(x[i]);
+}
+
+float exp_sub_sum_scalar(int64_t n, float* x, float max) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    s += x[i];
+  }
+  return s;
+}
+
+void silu_mul_scalar(int64_t n, const float* g, const float* u, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+void scale_scalar(int64_t n, float* y, float a) {
+  for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+const VecOps kScalar = {dot_f32_f16_scalar, axpy_f16_scalar, f32_to_f16_scalar,
+                        exp_sub_sum_scalar, silu_mul_scalar, scale_scalar};
+
+}  // namespace
+
+const VecOps& vec_ops_scalar() { return kScalar; }
+
+const VecOps& vec_ops() {
+  static const VecOps* ops = [] {
+#if defined(TF_HAVE_X86_KERNELS)
+    if (best_isa() == CpuIsa::Avx512) return vec_ops_avx512_table();
+#endif
+    return &kScalar;
+  }();
+  return *ops;
+}
+
+}  // namespace tf::cpu

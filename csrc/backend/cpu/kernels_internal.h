@@ -1,0 +1,84 @@
+// Shared declarations of the CPU matmul kernels (scalar / AVX2 / AVX-512 translation units).
+//
+// Quantized activation layouts (TensorFold's own; act_row_bytes/quantize_act_row/matmul_rows
+// agree on them, and the scalar reference reads the same bytes):
+//
+//  * G32 — for the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). Blocks are paired
+//    into groups of 64 values (an odd last block is padded with a zero block). A row is
+//      int8  qs[ngroups * 64]            (all quantized values, in element order)
+//      float sc[ngroups * 4]             (per group: d0, d1, s0, s1)
+//    with x ~= d * q, q in [-127, 127], and s = d * sum(q of the block) (Q8_1's s, used
+//    for the min term of Q4_1 / Q5_1).
+//  * K — for the K-quants: one ActK per 256 values (float d, int16 bsums[16] = sums of 16
+//    consecutive q, int8 qs[256]; q in [-127, 127]), 320 bytes so qs stays 64-byte aligned.
+//  * F32 — plain floats, for F32 / F16 / BF16 weights.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "core/cpu_features.h"
+#include "core/dtype.h"
+
+namespace tf::cpu::detail {
+
+struct alignas(4) ActK {
+  float d;
+  int16_t bsums[16];
+  uint8_t pad[28];
+  int8_t qs[256];
+};
+static_assert(sizeof(ActK) == 320, "ActK layout");
+
+enum class ActKind { F32, G32, K };
+
+struct WeightInfo {
+  bool ok;
+  int64_t block;   // values per block
+  size_t bytes;    // bytes per block
+  ActKind act;
+};
+
+// Block geometry for the formats the kernels support (ok=false otherwise).
+WeightInfo weight_info(GgmlType wt);
+
+inline int64_t g32_groups(int64_t k) { return (k / 32 + 1) / 2; }
+inline size_t g32_row_bytes(int64_t k) { return size_t(g32_groups(k)) * 80; }
+
+using MatmulFn = void (*)(int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1,
+                          const void* xq, size_t xq_stride, int64_t ncols, float* y, int64_t ldy);
+using QuantFn = void (*)(ActKind kind, const float* x, void* xq, int64_t k);
+
+// Per-ISA tables: nullptr where a format has no kernel in that translation unit.
+MatmulFn scalar_matmul_fn(GgmlType wt);
+MatmulFn avx2_matmul_fn(GgmlType wt);
+MatmulFn avx512_matmul_fn(GgmlType wt);
+void quantize_scalar(ActKind kind, const float* x, void* xq, int64_t k);
+void quantize_avx2(ActKind kind, const float* x, void* xq, int64_t k);
+void quantize_avx512(ActKind kind, const float* x, void* xq, int64_t k);
+
+// Explicit-ISA entry points (tests / benchmarks). Throw tf::Error(InvalidInput) when the CPU
+// (or this build) lacks the ISA or the format is not supported.
+void quantize_act_row_isa(CpuIsa isa, GgmlType wt, const float* x, void* xq, int64_t k);
+void matmul_rows_isa(CpuIsa isa, GgmlType wt, int64_t k, const void* w, size_t w_stride,
+                     int64_t r0, int64_t r1, const void* xq, size_t xq_stride, int64_t ncols,
+                     float* y, int64_t ldy);
+bool isa_available(CpuIsa isa);
+
+// Streams n bytes (a memory-bandwidth probe); returns a value depending on every byte.
+uint64_t read_bytes(const void* p, size_t n);
+uint64_t read_bytes_avx512(const void* p, size_t n);
+
+// ---- scalar helpers shared by the reference and the vector files' tails ----
+
+// Generic K-quant decomposition: w[e] = d * sc[e/16] * q[e] - dmin * mn[e/16], q[e] >= 0.
+struct KUnpacked {
+  float d, dmin;
+  int16_t sc[16];
+  int16_t mn[16];
+};
+// Scale/min decoding of one K block (no values); implemented in kernels_scalar.cpp.
+void k_scales(GgmlType wt, const void* block, KUnpacked* out);
+// Full scalar unpack of the q values (0..63) of one K block.
+void k_values(GgmlType wt, const void* block, uint8_t* q256);
+
+}  // namespace tf::cpu::detail

@@ -1,0 +1,104 @@
+// The request-based engine: requests are added, step() advances every active sequence by
+// one scheduled batch (decode tokens of running sequences first, then chunked prefill of
+// waiting ones within the token budget and the free KV blocks), samples, and reports the
+// new tokens. Sequences finish on an end-of-generation token, max_tokens or the context
+// limit, or are aborted; their KV blocks return to the pool.
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "engine/sampler.h"
+#include "gguf/gguf_reader.h"
+#include "kv/paged_kv_cache.h"
+#include "model/llama_model.h"
+
+namespace tf {
+
+struct EngineOptions {
+  int threads = 0;             // 0: all hardware threads
+  int64_t kv_tokens = 0;       // KV pool size in tokens; 0: context * 2 (at least 4096)
+  int64_t context = 0;         // per-sequence limit; 0: min(model's trained context, 8192)
+  int max_batch_tokens = 512;  // token budget of one step (prefill chunk size)
+};
+
+struct RequestParams {
+  SamplingParams sampling;
+  int max_tokens = 128;
+  std::vector<int32_t> eog_ids;  // end-of-generation tokens
+  bool ignore_eos = false;
+};
+
+enum class FinishReason { None, Stop, Length, Abort };
+const char* finish_reason_name(FinishReason r);
+
+struct StepOutput {
+  int64_t request_id;
+  int32_t token;             // -1 when the event carries no token (abort)
+  bool finished;
+  FinishReason reason;
+};
+
+struct EngineStats {
+  int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0, preemptions = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+class Engine {
+ public:
+  Engine(const std::string& model_path, const EngineOptions& opts);
+  ~Engine();
+
+  const ModelConfig& config() const { return model_->config(); }
+  const GgufFile& file() const { return *file_; }
+  int threads() const { return pool_->size(); }
+  int64_t context() const { return context_; }
+  int64_t kv_tokens() const { return kv_->n_blocks() * kv_->block_size(); }
+  int64_t free_kv_tokens() const { return kv_->free_blocks() * kv_->block_size(); }
+  size_t kv_bytes() const { return kv_->bytes(); }
+  const EngineStats& stats() const { return stats_; }
+
+  int64_t add_request(const std::vector<int32_t>& prompt, const RequestParams& params);
+  void abort(int64_t request_id);
+  bool has_unfinished() const { return !seqs_.empty(); }
+  size_t n_active() const { return seqs_.size(); }
+  std::vector<StepOutput> step();
+
+  // Logits of every position of `ids` as one fresh sequence: [ids.size(), n_vocab].
+  std::vector<float> logits(const std::vector<int32_t>& ids);
+
+ private:
+  struct Sequence {
+    int64_t id;
+    std::vector<int32_t> tokens;  // prompt followed by generated tokens
+    size_t n_prompt;
+    size_t n_computed = 0;        // tokens whose K/V are in the cache
+    int slot = -1;                // KV slot, -1 while waiting
+    RequestParams params;
+    Sampler sampler;
+    int n_generated = 0;
+    Sequence(int64_t id_, const std::vector<int32_t>& p, const RequestParams& rp)
+        : id(id_), tokens(p), n_prompt(p.size()), params(rp), sampler(rp.sampling) {}
+  };
+  void finish(Sequence& s, FinishReason reason, std::vector<StepOutput>& out, int32_t token);
+  void preempt(Sequence& s);
+
+  std::shared_ptr<GgufFile> file_;
+  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<PagedKvCache> kv_;
+  std::unique_ptr<ThreadPool> pool_;
+  int64_t context_ = 0;
+  int max_batch_tokens_ = 512;
+  int64_t next_id_ = 1;
+  std::map<int64_t, std::unique_ptr<Sequence>> seqs_;  // ordered by arrival (id)
+  std::vector<BatchToken> batch_;
+  std::vector<Sequence*> batch_owner_;
+  std::vector<float> logits_;
+  EngineStats stats_;
+};
+
+}  // namespace tf

@@ -1,0 +1,55 @@
+// Paged KV cache: one pool of fixed-size blocks allocated once at start-up, per-sequence
+// block tables, blocks returned to the free list when a sequence ends. K and V are stored
+// as IEEE half; each (layer, block, kv head) holds block_size rows of head_dim values.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace tf {
+
+class PagedKvCache {
+ public:
+  PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks);
+
+  int block_size() const { return block_size_; }
+  int64_t n_blocks() const { return n_blocks_; }
+  int64_t free_blocks() const { return int64_t(free_list_.size()); }
+  size_t bytes() const { return n_elems_ * sizeof(uint16_t); }
+
+  // Sequence slots. A slot owns the blocks listed in its block table.
+  int create_sequence();
+  void free_sequence(int seq);
+  // Grow the sequence's table to hold n_tokens in total. All-or-nothing: returns false and
+  // changes nothing when the pool has too few free blocks.
+  bool reserve(int seq, int64_t n_tokens);
+  int64_t capacity(int seq) const;
+  const std::vector<int32_t>& block_table(int seq) const { return tables_[size_t(seq)]; }
+  int64_t blocks_needed(int seq, int64_t n_tokens) const;
+
+  // Rows of one (layer, block, kv head): [block_size][head_dim] halves.
+  uint16_t* k_block(int layer, int32_t block, int kv_head) { return at(layer, block, 0, kv_head); }
+  uint16_t* v_block(int layer, int32_t block, int kv_head) { return at(layer, block, 1, kv_head); }
+  // Row of the token at `pos` of sequence `seq`.
+  uint16_t* k_row(int layer, int seq, int64_t pos, int kv_head);
+  uint16_t* v_row(int layer, int seq, int64_t pos, int kv_head);
+
+ private:
+  uint16_t* at(int layer, int32_t block, int kv, int head) {
+    const size_t idx = ((size_t(layer) * size_t(n_blocks_) + size_t(block)) * 2 + size_t(kv)) *
+                           size_t(n_kv_head_) + size_t(head);
+    return storage_.get() + idx * size_t(block_size_) * size_t(head_dim_);
+  }
+
+  int n_layer_, n_kv_head_, head_dim_, block_size_;
+  int64_t n_blocks_;
+  // Left uninitialised: pages are touched only when a block is first written, so a large
+  // pool costs nothing at start-up.
+  std::unique_ptr<uint16_t[]> storage_;
+  size_t n_elems_ = 0;
+  std::vector<int32_t> free_list_;
+  std::vector<std::vector<int32_t>> tables_;
+  std::vector<bool> slot_used_;
+};
+
+}  // namespace tf
