@@ -578,6 +578,14 @@ def test_duplicate_keys(tmp_path, small):
     expect_error(tmp_path, b, "duplicate metadata key", "k.a")
 
 
+def test_invalid_utf8_names(tmp_path, small):
+    buf, w = small
+    off = w["tensors"]["w1"]["name_off"] + 8
+    expect_error(tmp_path, buf[:off] + b"\xc3(" + buf[off + 2:], "tensor name", "UTF-8")
+    off = w["kvs"]["k.b"]["key_off"] + 8
+    expect_error(tmp_path, buf[:off] + b"\xed\xa0\x80" + buf[off + 3:], "metadata key", "UTF-8")
+
+
 def test_empty_tensor_name(tmp_path, small):
     # name length 0: the following bytes are re-read as fields, but the empty name is first
     buf, w = small

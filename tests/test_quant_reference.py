@@ -184,7 +184,8 @@ def test_quantize_f16_bf16_special_values():
                  dtype=np.float32)
     for name in ("F16", "BF16"):
         got = _core.quantize(int(T[name]), x)
-        want = np.ascontiguousarray(gguf_quantize(x, T[name])).view(np.uint8).reshape(-1)
+        with np.errstate(over="ignore"):
+            want = np.ascontiguousarray(gguf_quantize(x, T[name])).view(np.uint8).reshape(-1)
         assert np.array_equal(got, want), name
 
 
@@ -220,8 +221,8 @@ def test_quantize_q8_K():
 
 
 # Relative RMS error of quantize -> gguf dequantize on N(0, 1) data (65536 values). Measured
-# with this quantizer: Q2_K 0.264, Q3_K 0.144, Q4_K 0.0705, Q5_K 0.0362, Q6_K 0.0166,
-# Q4_0 0.0860, Q4_1 0.0778, Q5_0 0.0427, Q5_1 0.0379, Q8_0 0.0053; bounds leave ~10% margin.
+# with this quantizer: Q2_K 0.265, Q3_K 0.144, Q4_K 0.0709, Q5_K 0.0360, Q6_K 0.0167,
+# Q4_0 0.0863, Q4_1 0.0785, Q5_0 0.0430, Q5_1 0.0380, Q8_0 0.0054; bounds leave ~10% margin.
 RMS_BOUNDS = {
     "Q2_K": 0.29, "Q3_K": 0.16, "Q4_K": 0.078, "Q5_K": 0.040, "Q6_K": 0.0185,
     "Q4_0": 0.095, "Q4_1": 0.086, "Q5_0": 0.047, "Q5_1": 0.042, "Q8_0": 0.006,

@@ -1,4 +1,144 @@
+// Python bindings of the CPU matmul kernels (tests and microbenchmarks only).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "backend/cpu/kernels_internal.h"
 #include "bindings/bindings.h"
+#include "core/cpu_features.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+
+namespace py = pybind11;
+
 namespace tf {
-void bind_kernels(pybind11::module_&) {}
+
+namespace {
+
+struct PoolSlot {
+  std::mutex mu;  // one call at a time per pool
+  std::unique_ptr<ThreadPool> pool;
+};
+
+PoolSlot& pool_for(int threads) {
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<PoolSlot>> pools;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = pools[threads];
+  if (!slot) {
+    slot = std::make_unique<PoolSlot>();
+    slot->pool = std::make_unique<ThreadPool>(threads);
+  }
+  return *slot;
+}
+
+CpuIsa parse_impl(const std::string& impl) {
+  CpuIsa isa;
+  if (impl == "auto") isa = best_isa();
+  else if (impl == "scalar") isa = CpuIsa::Scalar;
+  else if (impl == "avx2") isa = CpuIsa::Avx2;
+  else if (impl == "avx512") isa = CpuIsa::Avx512;
+  else fail(ErrorKind::InvalidInput, "impl must be auto, scalar, avx2 or avx512, got '", impl, "'");
+  TF_CHECK(cpu::detail::isa_available(isa), "this CPU (or build) lacks the ISA '", impl, "'");
+  return isa;
+}
+
+void check_threads(int threads) {
+  TF_CHECK(threads >= 1 && threads <= 256, "threads must be in [1, 256], got ", threads);
+}
+
+py::array_t<float> kernels_matmul(uint32_t type_id,
+                                  py::array_t<uint8_t, py::array::c_style | py::array::forcecast> w,
+                                  int64_t rows, int64_t k,
+                                  py::array_t<float, py::array::c_style | py::array::forcecast> x,
+                                  const std::string& impl, int threads) {
+  check_threads(threads);
+  TF_CHECK(type_id < kGgmlTypeIdLimit, "unknown type id ", type_id);
+  const GgmlType wt = GgmlType(type_id);
+  const cpu::detail::WeightInfo info = cpu::detail::weight_info(wt);
+  TF_CHECK(info.ok, "type id ", type_id, " has no CPU matmul kernel");
+  TF_CHECK(rows >= 1, "rows must be >= 1, got ", rows);
+  TF_CHECK(k >= 1 && k % info.block == 0, "k=", k, " must be a positive multiple of the block size ",
+           info.block);
+  const size_t row_bytes = size_t(k / info.block) * info.bytes;
+  TF_CHECK(size_t(w.size()) == size_t(rows) * row_bytes, "w has ", w.size(), " bytes, expected rows*row_bytes = ",
+           rows, "*", row_bytes, " = ", size_t(rows) * row_bytes);
+  TF_CHECK(x.ndim() == 2, "x must be 2-D [ncols, k], got ", x.ndim(), " dimensions");
+  TF_CHECK(x.shape(1) == k, "x has ", x.shape(1), " columns, expected k=", k);
+  const int64_t ncols = x.shape(0);
+  TF_CHECK(ncols >= 1, "x must have at least one row");
+  const CpuIsa isa = parse_impl(impl);
+
+  py::array_t<float> y({ncols, rows});
+  const size_t act_bytes = cpu::act_row_bytes(wt, k);
+  const size_t stride = (act_bytes + 63) / 64 * 64;
+  const uint8_t* wp = w.data();
+  const float* xp = x.data();
+  float* yp = y.mutable_data();
+  {
+    py::gil_scoped_release release;
+    std::vector<uint8_t> buf(stride * size_t(ncols) + 64);
+    uint8_t* xq = buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63);
+    PoolSlot& slot = pool_for(threads);
+    std::lock_guard<std::mutex> lock(slot.mu);
+    slot.pool->parallel_for(ncols, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c)
+        cpu::detail::quantize_act_row_isa(isa, wt, xp + c * k, xq + size_t(c) * stride, k);
+    });
+    const int64_t grain = rows >= 64 ? 16 : 1;
+    slot.pool->parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
+      cpu::detail::matmul_rows_isa(isa, wt, k, wp, row_bytes, r0, r1, xq, stride, ncols, yp, rows);
+    });
+  }
+  return y;
+}
+
+uint64_t kernels_read_bytes(py::array_t<uint8_t, py::array::c_style> a, int threads) {
+  check_threads(threads);
+  const uint8_t* p = a.data();
+  const size_t n = size_t(a.size());
+  uint64_t out = 0;
+  {
+    py::gil_scoped_release release;
+    PoolSlot& slot = pool_for(threads);
+    std::lock_guard<std::mutex> lock(slot.mu);
+    std::vector<uint64_t> part(size_t(threads), 0);
+    const bool avx512 = cpu::detail::isa_available(CpuIsa::Avx512);
+    slot.pool->run([&](int t, int nt) {
+      const size_t per = (n / size_t(nt) + 63) / 64 * 64;
+      const size_t b = std::min(n, size_t(t) * per), e = std::min(n, size_t(t + 1) * per);
+      if (b < e)
+        part[size_t(t)] = avx512 ? cpu::detail::read_bytes_avx512(p + b, e - b)
+                                 : cpu::detail::read_bytes(p + b, e - b);
+    });
+    for (uint64_t v : part) out ^= v;
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_kernels(py::module_& m) {
+  m.def("kernels_matmul", &kernels_matmul, py::arg("type_id"), py::arg("w"), py::arg("rows"),
+        py::arg("k"), py::arg("x"), py::arg("impl") = "auto", py::arg("threads") = 1,
+        "y[ncols, rows] = x[ncols, k] @ dequant(W[rows, k]).T with x quantized per row the way "
+        "the engine does (quantize_act_row + matmul_rows). impl: auto|scalar|avx2|avx512.");
+  m.def("kernel_isa", [] { return std::string(cpu::kernel_isa()); },
+        "ISA of the matmul kernels' fast path: avx512, avx2 or scalar");
+  m.def("kernels_act_row_bytes", [](uint32_t type_id, int64_t k) {
+          TF_CHECK(type_id < kGgmlTypeIdLimit, "unknown type id ", type_id);
+          return cpu::act_row_bytes(GgmlType(type_id), k);
+        }, py::arg("type_id"), py::arg("k"));
+  m.def("kernels_read_bytes", &kernels_read_bytes, py::arg("a"), py::arg("threads") = 1,
+        "Streams every byte of a (memory-bandwidth probe); returns a checksum.");
+}
+
 }  // namespace tf

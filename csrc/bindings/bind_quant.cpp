@@ -31,8 +31,8 @@ ByteView byte_view(const py::buffer& obj) {
   v.info = obj.request();
   TF_CHECK(v.info.itemsize == 1, "data must be bytes or a uint8 array, got items of ",
            v.info.itemsize, " bytes (format '", v.info.format, "')");
-  ssize_t expect = 1;
-  for (ssize_t d = v.info.ndim - 1; d >= 0; --d) {
+  py::ssize_t expect = 1;
+  for (py::ssize_t d = v.info.ndim - 1; d >= 0; --d) {
     TF_CHECK(v.info.shape[d] <= 1 || v.info.strides[d] == expect, "data must be C-contiguous");
     expect *= v.info.shape[d];
   }

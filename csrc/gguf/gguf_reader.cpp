@@ -156,6 +156,31 @@ class Cursor {
   uint64_t pos_ = 0;
 };
 
+// Strict UTF-8 check (no overlong forms, surrogates or code points above U+10FFFF), the same
+// rules as Python's decoder, so names always round-trip through Python str.
+bool valid_utf8(const std::string& s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  size_t n = s.size(), i = 0;
+  while (i < n) {
+    unsigned c = p[i];
+    if (c < 0x80) { ++i; continue; }
+    size_t len;
+    uint32_t cp, min;
+    if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; min = 0x80; }
+    else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; min = 0x800; }
+    else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; min = 0x10000; }
+    else return false;
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += len;
+  }
+  return true;
+}
+
 uint32_t read_value_type(Cursor& c, const char* field) {
   uint64_t at = c.pos();
   uint32_t t = c.u32(field);
@@ -385,6 +410,7 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
     uint64_t key_at = c.pos();
     std::string key = c.str("key");
     if (key.empty()) c.error(key_at, "empty metadata key");
+    if (!valid_utf8(key)) c.error(key_at, "metadata key " + quote(key) + " is not valid UTF-8");
     c.where = "key #" + std::to_string(k) + " (" + quote(key) + ")";
     if (!keys.insert(key).second) c.error(key_at, "duplicate metadata key " + quote(key));
     auto type = static_cast<GgufValueType>(read_value_type(c, "value type"));
@@ -419,6 +445,9 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
     GgufTensorInfo ti;
     ti.name = c.str("name");
     if (ti.name.empty()) c.error(name_at, "empty tensor name");
+    if (!valid_utf8(ti.name)) {
+      c.error(name_at, "tensor name " + quote(ti.name) + " is not valid UTF-8");
+    }
     c.where = "tensor info #" + std::to_string(t) + " (" + quote(ti.name) + ")";
     if (!names.insert(ti.name).second) c.error(name_at, "duplicate tensor name " + quote(ti.name));
     uint64_t nd_at = c.pos();

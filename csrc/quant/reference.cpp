@@ -64,7 +64,6 @@ inline void set_scale_q3_K(int k, uint8_t* s, int v /* -32..31 */) {
   h = uint8_t((h & ~(3 << sh)) | (((u >> 4) & 3) << sh));
 }
 
-inline int clampi(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 // Round to nearest (ties to even) after clamping to [lo, hi] (|lo|, |hi| < 2^22); NaN -> lo.
 inline int round_clamp(float v, int lo, int hi) {
   const float flo = float(lo), fhi = float(hi);
@@ -101,19 +100,20 @@ float fit_symmetric(const float* x, int n, int qmin, int qmax) {
     const float end = side == 0 ? float(qmin) : float(qmax);
     for (int k = 0; k <= 16; ++k) {
       const float f = 0.75f + 0.03f * float(k);
-      const float s0 = vmax / (end * f);
-      double sxq = 0, sqq = 0;
+      const float is0 = (end * f) / vmax;
+      float sxq = 0, sqq = 0;
       for (int i = 0; i < n; ++i) {
-        const int q = round_clamp(x[i] / s0, qmin, qmax);
-        sxq += double(x[i]) * q;
-        sqq += double(q) * q;
+        const int q = round_clamp(x[i] * is0, qmin, qmax);
+        sxq += x[i] * float(q);
+        sqq += float(q * q);
       }
       if (sqq <= 0) continue;
-      const float s = float(sxq / sqq);
+      const float s = sxq / sqq;
       if (s == 0.0f) continue;
+      const float is = 1.0f / s;
       float err = 0.0f;
       for (int i = 0; i < n; ++i) {
-        const float r = x[i] - s * float(round_clamp(x[i] / s, qmin, qmax));
+        const float r = x[i] - s * float(round_clamp(x[i] * is, qmin, qmax));
         err += r * r;
       }
       if (err < best_err) {
@@ -146,13 +146,14 @@ void fit_asymmetric(const float* x, int n, int qmax, float* s_out, float* m_out)
     const float f = 0.8f + 0.03f * float(k);
     float s = (xmax - xmin) / (float(qmax) * f), b = xmin;
     for (int it = 0; it < 2; ++it) {
+      const float is = 1.0f / s;
       double sq = 0, sqq = 0, sx = 0, sxq = 0;
       for (int i = 0; i < n; ++i) {
-        const int q = round_clamp((x[i] - b) / s, 0, qmax);
+        const int q = round_clamp((x[i] - b) * is, 0, qmax);
         sq += q;
-        sqq += double(q) * q;
+        sqq += double(q * q);
         sx += x[i];
-        sxq += double(x[i]) * q;
+        sxq += double(x[i] * float(q));
       }
       const double det = n * sqq - sq * sq;
       double ns = 0, nb = 0;
@@ -168,9 +169,10 @@ void fit_asymmetric(const float* x, int n, int qmax, float* s_out, float* m_out)
       s = float(ns);
       b = float(nb);
     }
+    const float is = 1.0f / s;
     float err = 0.0f;
     for (int i = 0; i < n; ++i) {
-      const float r = x[i] - (s * float(round_clamp((x[i] - b) / s, 0, qmax)) + b);
+      const float r = x[i] - (s * float(round_clamp((x[i] - b) * is, 0, qmax)) + b);
       err += r * r;
     }
     if (err < best_err) {

@@ -1,0 +1,152 @@
+"""The engine on the real SmolLM2 GGUF, checked against llama.cpp's greedy continuations
+(tests/fixtures/smollm2_llamacpp.json, made by make_llama_fixtures.py) and for the API's
+behaviour: sampling, stop conditions, batching, KV block accounting, bad input."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import tensorfold
+
+FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" / "smollm2_llamacpp.json").read_text("utf-8"))
+GREEDY = FIXTURE["greedy"]
+N_GEN = len(GREEDY[0]["generated_ids"])
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    return tensorfold.Engine(smollm2_path, threads=2, context=2048)
+
+
+def test_fixture_is_for_this_model(smollm2_path):
+    import hashlib
+
+    h = hashlib.sha256(pathlib.Path(smollm2_path).read_bytes()).hexdigest()
+    assert h == FIXTURE["model"]["sha256"]
+
+
+@pytest.mark.parametrize("case", GREEDY, ids=[f"{c['kind']}-{i}" for i, c in enumerate(GREEDY)])
+def test_greedy_matches_llama_cpp(engine, case):
+    if case["kind"] == "plain":
+        assert engine.tokenize(case["prompt"]) == case["prompt_ids"]
+    out = engine.generate(case["prompt_ids"], max_tokens=N_GEN, temperature=0, ignore_eos=True)
+    assert out.token_ids == case["generated_ids"]
+    assert out.finish_reason == "length"
+
+
+def test_batched_decode_matches_llama_cpp(smollm2_path):
+    """All greedy prompts decoded together (continuous batching, small prefill chunks)
+    give the same tokens as llama.cpp gives for each alone."""
+    eng = tensorfold.Engine(smollm2_path, threads=2, context=512, kv_tokens=4096, max_batch_tokens=7)
+    streams = {}
+    core = eng._core
+    for case in GREEDY:
+        rid = core.add_request(case["prompt_ids"], N_GEN, 0.0, 1, 1.0, 0.0, 0, [], True)
+        streams[rid] = (case, [])
+    while core.has_unfinished():
+        for rid, tok, finished, reason in core.step():
+            streams[rid][1].append(tok)
+    for case, toks in streams.values():
+        assert toks == case["generated_ids"]
+    assert eng.stats()["free_kv_tokens"] == eng.stats()["kv_tokens"]
+
+
+def test_logits_agree_with_greedy(engine):
+    case = GREEDY[0]
+    ids = case["prompt_ids"] + case["generated_ids"][:8]
+    lg = engine.logits(ids)
+    assert lg.dtype == np.float32 and lg.shape == (len(ids), engine.config["n_vocab"])
+    assert np.isfinite(lg).all()
+    n = len(case["prompt_ids"])
+    # The argmax at each position is llama.cpp's next greedy token.
+    assert list(lg[n - 1:].argmax(axis=1)) == case["generated_ids"][:9]
+    # Margins: llama.cpp's top-1/top-2 gap and ours agree to within quantization noise.
+    ours = np.sort(lg[n - 1], axis=-1)
+    assert abs((ours[-1] - ours[-2]) - case["top1_top2_margin"][0]) < 0.15
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    a = engine.generate("The weather today", max_tokens=16, temperature=1.0, seed=1234)
+    b = engine.generate("The weather today", max_tokens=16, temperature=1.0, seed=1234)
+    c = engine.generate("The weather today", max_tokens=16, temperature=1.0, seed=99, top_k=0, top_p=1.0, min_p=0.0)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert len(a.token_ids) >= 1
+    assert c.token_ids != a.token_ids
+
+
+def test_top_k_1_is_greedy(engine):
+    case = GREEDY[0]
+    out = engine.generate(case["prompt_ids"], max_tokens=8, temperature=1.5, top_k=1, seed=5, ignore_eos=True)
+    assert out.token_ids == case["generated_ids"][:8]
+
+
+def test_stop_string_and_usage(engine):
+    case = GREEDY[0]
+    full = engine.generate(case["prompt_ids"], max_tokens=N_GEN, temperature=0, ignore_eos=True)
+    word = full.text.split()[3]
+    out = engine.generate(case["prompt_ids"], max_tokens=N_GEN, temperature=0, stop=[word], ignore_eos=True)
+    assert out.finish_reason == "stop"
+    assert word not in out.text and full.text.startswith(out.text)
+    assert out.usage["prompt_tokens"] == len(case["prompt_ids"])
+    assert out.usage["completion_tokens"] == len(out.token_ids) < N_GEN
+
+
+def test_stream_pieces_join_to_text(engine):
+    case = GREEDY[1]
+    pieces = list(engine.stream(case["prompt_ids"], max_tokens=N_GEN, temperature=0, ignore_eos=True))
+    full = engine.generate(case["prompt_ids"], max_tokens=N_GEN, temperature=0, ignore_eos=True)
+    assert "".join(pieces) == full.text == engine.detokenize(full.token_ids)
+
+
+def test_chat_ends_on_end_of_turn(engine):
+    out = engine.chat([{"role": "user", "content": "Say hello."}], max_tokens=64, temperature=0)
+    assert out.text.strip()
+    assert "<|im_end|>" not in out.text
+    if out.finish_reason == "stop":
+        assert out.token_ids[-1] in engine.tokenizer.eog_ids
+
+
+def test_max_tokens_zero_and_kv_returned(engine):
+    out = engine.generate("Hi", max_tokens=0)
+    assert out.token_ids == [] and out.finish_reason == "length"
+    st = engine.stats()
+    assert st["free_kv_tokens"] == st["kv_tokens"]
+
+
+def test_abandoned_stream_frees_its_blocks(engine):
+    it = engine.stream("Tell me a story", max_tokens=50, temperature=0, ignore_eos=True)
+    next(it)
+    it.close()
+    st = engine.stats()
+    assert st["free_kv_tokens"] == st["kv_tokens"] and st["active_requests"] == 0
+
+
+@pytest.mark.parametrize("bad", [[], [-1], [10**9]])
+def test_bad_prompts_raise(engine, bad):
+    with pytest.raises(ValueError):
+        engine.generate(bad, max_tokens=4)
+
+
+def test_prompt_longer_than_context_raises(smollm2_path):
+    eng = tensorfold.Engine(smollm2_path, threads=1, context=64)
+    with pytest.raises(ValueError, match="context"):
+        eng.generate(list(range(100, 200)), max_tokens=1)
+    # Generation stops at the context limit with finish_reason "length".
+    out = eng.generate(list(range(100, 160)), max_tokens=50, temperature=0, ignore_eos=True)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_bad_engine_arguments(smollm2_path, tmp_path):
+    with pytest.raises(ValueError):
+        tensorfold.Engine(smollm2_path, threads=0)
+    with pytest.raises(ValueError, match="kv_tokens"):
+        tensorfold.Engine(smollm2_path, context=4096, kv_tokens=1024)
+    with pytest.raises(FileNotFoundError):
+        tensorfold.Engine(str(tmp_path / "missing.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(ValueError):
+        tensorfold.Engine(str(bad))
