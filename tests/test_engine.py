@@ -150,3 +150,24 @@ def test_bad_engine_arguments(smollm2_path, tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 10)
     with pytest.raises(ValueError):
         tensorfold.Engine(str(bad))
+
+
+def test_kv_pool_exhaustion_preempts_and_recomputes(smollm2_path):
+    """Three requests that cannot all fit the KV pool at once: the newest is preempted and
+    recomputed later, and every one still produces exactly its solo greedy tokens."""
+    solo = tensorfold.Engine(smollm2_path, threads=2, context=128)
+    cases = [c for c in GREEDY if len(c["prompt_ids"]) <= 40][:3]
+    expected = [solo.generate(c["prompt_ids"], max_tokens=48, temperature=0, ignore_eos=True).token_ids
+                for c in cases]
+    eng = tensorfold.Engine(smollm2_path, threads=2, context=128, kv_tokens=128)
+    core = eng._core
+    got = {}
+    for c in cases:
+        got[core.add_request(c["prompt_ids"], 48, 0.0, 1, 1.0, 0.0, 0, [], True)] = []
+    while core.has_unfinished():
+        for rid, tok, finished, reason in core.step():
+            got[rid].append(tok)
+    assert list(got.values()) == expected
+    st = eng.stats()
+    assert st["preemptions"] > 0
+    assert st["free_kv_tokens"] == st["kv_tokens"]

@@ -13,6 +13,8 @@
 namespace tf {
 
 namespace {
+constexpr int kMaxHeadDim = 512;
+
 std::string shape_str(const std::vector<int64_t>& ne) {
   std::string s = "[";
   for (size_t i = 0; i < ne.size(); ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
@@ -189,6 +191,7 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
   const int64_t items = T * H;
   pool.run([&](int tid, int nt) {
     float* scores = scores_.data() + size_t(tid) * size_t(max_ctx_);
+    float q16[kMaxHeadDim];
     // Strided assignment balances the triangular cost of causal prefill.
     for (int64_t it = tid; it < items; it += nt) {
       const int64_t t = it / H;
@@ -196,6 +199,8 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
       const BatchToken& bt = batch[size_t(t)];
       const float* q = q_.data() + (t * H + h) * D;
       float* out = attn_.data() + (t * H + h) * D;
+      // q is rounded to half, as the keys are: the same numerics as llama.cpp's F16 cache.
+      for (int i = 0; i < D; ++i) q16[i] = fp16_to_fp32(fp32_to_fp16(q[i]));
       const int64_t n = int64_t(bt.pos) + 1;
       const auto& table = kv.block_table(bt.seq);
       float mx = -INFINITY;
@@ -203,19 +208,22 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
         const uint16_t* kb = kv.k_block(layer, table[size_t(b)], g);
         const int64_t m = std::min<int64_t>(bs, n - j0);
         for (int64_t j = 0; j < m; ++j) {
-          const float s = ops.dot_f32_f16(D, q, kb + j * D) * scale;
+          const float s = ops.dot_f32_f16(D, q16, kb + j * D) * scale;
           scores[j0 + j] = s;
           mx = std::max(mx, s);
         }
       }
-      const float sum = ops.exp_sub_sum(n, scores, mx);
+      const float inv_sum = 1.0f / ops.exp_sub_sum(n, scores, mx);
       std::fill(out, out + D, 0.f);
       for (int64_t j0 = 0, b = 0; j0 < n; j0 += bs, ++b) {
         const uint16_t* vb = kv.v_block(layer, table[size_t(b)], g);
         const int64_t m = std::min<int64_t>(bs, n - j0);
-        for (int64_t j = 0; j < m; ++j) ops.axpy_f16(D, scores[j0 + j], vb + j * D, out);
+        for (int64_t j = 0; j < m; ++j) {
+          // Normalised probabilities rounded to half before weighting V (llama.cpp does so).
+          const float p = fp16_to_fp32(fp32_to_fp16(scores[j0 + j] * inv_sum));
+          ops.axpy_f16(D, p, vb + j * D, out);
+        }
       }
-      ops.scale(D, out, 1.0f / sum);
     }
   });
 }

@@ -41,7 +41,7 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     fail(ErrorKind::InvalidInput, f.path(), ": head_count ", c.n_head,
          " is not a multiple of head_count_kv ", c.n_head_kv);
   const int64_t default_hd = c.n_embd / c.n_head;
-  c.head_dim = positive_int(f, key("attention.key_length"), f.get_int(key("attention.key_length"), default_hd), 4096);
+  c.head_dim = positive_int(f, key("attention.key_length"), f.get_int(key("attention.key_length"), default_hd), 512);
   const int64_t vdim = f.get_int(key("attention.value_length"), c.head_dim);
   if (vdim != c.head_dim)
     fail(ErrorKind::Unsupported, f.path(), ": value_length != key_length is not supported");

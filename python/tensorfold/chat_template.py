@@ -150,9 +150,8 @@ def render_chat(
         add_generation_prompt=bool(add_generation_prompt),
         bos_token=bos_token,
         eos_token=eos_token,
+        tools=tools,  # passed even when None, as transformers and llama-cpp-python do
     )
-    if tools is not None:
-        ctx["tools"] = tools
     try:
         return compiled.render(**ctx)
     except TemplateError:

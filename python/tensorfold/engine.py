@@ -97,8 +97,10 @@ class Engine:
     # -- generation -----------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         tok = self.tokenizer
+        bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.id_to_token(tok.eos_id) if tok.eos_id is not None else ""
         return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=tok.bos_token, eos_token=tok.eos_token)
+                           bos_token=bos, eos_token=eos)
 
     def _prompt_ids(self, prompt: str | Sequence[int] | None, messages: list[dict] | None) -> list[int]:
         if messages is not None:
@@ -150,7 +152,7 @@ class Engine:
             while reason is None:
                 _, token, finished, why = self._next_event(rid)
                 if token >= 0 and not (finished and why == "stop" and token in eog):
-                    pending += decoder.push(token)
+                    pending += decoder.feed(token)
                 if finished:
                     reason = why
                     pending += decoder.flush()

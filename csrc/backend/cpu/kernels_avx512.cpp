@@ -37,6 +37,9 @@ inline __m512i ld_idx(const int32_t* p) { return _mm512_load_si512(p); }
 
 // ---------------------------------------------------------------------------------------
 // 32-value block formats.
+#include <cstdlib>
+static const int kPfDist = std::getenv("TF_PF") ? std::atoi(std::getenv("TF_PF")) : 1024;
+static const int kGemvNR = std::getenv("TF_NR") ? std::atoi(std::getenv("TF_NR")) : 4;
 
 template <T_ T> struct G32;
 template <> struct G32<T_::Q4_0> { static constexpr int bytes = 18, qs = 2, qh = -1, off = 8; static constexpr bool min = false; };
@@ -126,7 +129,7 @@ void g32_tile(int64_t k, const uint8_t* w, size_t ws, const uint8_t* xq, size_t 
     WReg wr[NR];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* p = w + size_t(r) * ws + size_t(2 * g) * F::bytes;
-      if (NC == 1) _mm_prefetch(reinterpret_cast<const char*>(p) + 1024, _MM_HINT_T0);
+      if (NC == 1 && kPfDist > 0) _mm_prefetch(reinterpret_cast<const char*>(p) + kPfDist, _MM_HINT_T0);
       unpack_w<T, true>(p, wr[r]);
     }
     for (int c = 0; c < NC; ++c) {
@@ -177,7 +180,8 @@ void matmul_g32(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, co
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
   int64_t r = r0;
   if (ncols == 1) {  // GEMV: 4 rows at a time, one activation row
-    for (; r + 4 <= r1; r += 4) g32_tile<T, 4, 1>(k, w + r * ws, ws, xq, xs, y + r, ldy);
+    if (kGemvNR == 4) for (; r + 4 <= r1; r += 4) g32_tile<T, 4, 1>(k, w + r * ws, ws, xq, xs, y + r, ldy);
+    if (kGemvNR == 2) for (; r + 2 <= r1; r += 2) g32_tile<T, 2, 1>(k, w + r * ws, ws, xq, xs, y + r, ldy);
     for (; r < r1; ++r) g32_tile<T, 1, 1>(k, w + r * ws, ws, xq, xs, y + r, ldy);
     return;
   }
