@@ -7,4 +7,5 @@ void bind_quant(pybind11::module_& m);
 void bind_engine(pybind11::module_& m);
 void bind_kernels(pybind11::module_& m);
 void bind_cuda(pybind11::module_& m);
+void bind_ops(pybind11::module_& m);
 }  // namespace tf

@@ -30,4 +30,5 @@ PYBIND11_MODULE(_core, m) {
   tf::bind_kernels(m);
   tf::bind_engine(m);
   tf::bind_cuda(m);
+  tf::bind_ops(m);
 }

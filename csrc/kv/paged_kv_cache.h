@@ -30,6 +30,8 @@ class PagedKvCache {
   // Rows of one (layer, block, kv head): [block_size][head_dim] halves.
   uint16_t* k_block(int layer, int32_t block, int kv_head) { return at(layer, block, 0, kv_head); }
   uint16_t* v_block(int layer, int32_t block, int kv_head) { return at(layer, block, 1, kv_head); }
+  // Elements between the same (layer, kv head) rows of consecutive blocks.
+  size_t page_stride() const { return 2 * size_t(n_kv_head_) * size_t(block_size_) * size_t(head_dim_); }
   // Row of the token at `pos` of sequence `seq`.
   uint16_t* k_row(int layer, int seq, int64_t pos, int kv_head);
   uint16_t* v_row(int layer, int seq, int64_t pos, int kv_head);

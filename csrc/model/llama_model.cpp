@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "backend/cpu/attention.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/vec_ops.h"
 #include "core/error.h"
@@ -13,8 +14,6 @@
 namespace tf {
 
 namespace {
-constexpr int kMaxHeadDim = 512;
-
 std::string shape_str(const std::vector<int64_t>& ne) {
   std::string s = "[";
   for (size_t i = 0; i < ne.size(); ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
@@ -185,45 +184,19 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
                            ThreadPool& pool) {
   const int H = cfg_.n_head, D = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv;
   const int64_t T = int64_t(batch.size());
-  const int bs = kv.block_size();
   const float scale = 1.0f / std::sqrt(float(D));
-  const cpu::VecOps& ops = cpu::vec_ops();
   const int64_t items = T * H;
   pool.run([&](int tid, int nt) {
     float* scores = scores_.data() + size_t(tid) * size_t(max_ctx_);
-    float q16[kMaxHeadDim];
     // Strided assignment balances the triangular cost of causal prefill.
     for (int64_t it = tid; it < items; it += nt) {
       const int64_t t = it / H;
       const int h = int(it % H), g = h / group;
       const BatchToken& bt = batch[size_t(t)];
-      const float* q = q_.data() + (t * H + h) * D;
-      float* out = attn_.data() + (t * H + h) * D;
-      // q is rounded to half, as the keys are: the same numerics as llama.cpp's F16 cache.
-      for (int i = 0; i < D; ++i) q16[i] = fp16_to_fp32(fp32_to_fp16(q[i]));
-      const int64_t n = int64_t(bt.pos) + 1;
-      const auto& table = kv.block_table(bt.seq);
-      float mx = -INFINITY;
-      for (int64_t j0 = 0, b = 0; j0 < n; j0 += bs, ++b) {
-        const uint16_t* kb = kv.k_block(layer, table[size_t(b)], g);
-        const int64_t m = std::min<int64_t>(bs, n - j0);
-        for (int64_t j = 0; j < m; ++j) {
-          const float s = ops.dot_f32_f16(D, q16, kb + j * D) * scale;
-          scores[j0 + j] = s;
-          mx = std::max(mx, s);
-        }
-      }
-      const float inv_sum = 1.0f / ops.exp_sub_sum(n, scores, mx);
-      std::fill(out, out + D, 0.f);
-      for (int64_t j0 = 0, b = 0; j0 < n; j0 += bs, ++b) {
-        const uint16_t* vb = kv.v_block(layer, table[size_t(b)], g);
-        const int64_t m = std::min<int64_t>(bs, n - j0);
-        for (int64_t j = 0; j < m; ++j) {
-          // Normalised probabilities rounded to half before weighting V (llama.cpp does so).
-          const float p = fp16_to_fp32(fp32_to_fp16(scores[j0 + j] * inv_sum));
-          ops.axpy_f16(D, p, vb + j * D, out);
-        }
-      }
+      const cpu::PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
+                               kv.block_table(bt.seq).data(), kv.block_size()};
+      cpu::paged_attention(q_.data() + (t * H + h) * D, D, pages, int64_t(bt.pos) + 1, scale, scores,
+                           attn_.data() + (t * H + h) * D);
     }
   });
 }

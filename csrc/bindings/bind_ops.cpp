@@ -1,0 +1,80 @@
+// Binds standalone kernels (paged attention, vector primitives, sampler) for tests and
+// microbenchmarks. No logic here.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <vector>
+
+#include "backend/cpu/attention.h"
+#include "backend/cpu/vec_ops.h"
+#include "bindings/bindings.h"
+#include "engine/sampler.h"
+
+namespace py = pybind11;
+
+namespace tf {
+
+namespace {
+template <typename T>
+using carray = py::array_t<T, py::array::c_style | py::array::forcecast>;
+}
+
+void bind_ops(py::module_& m) {
+  auto o = m.def_submodule("ops", "standalone CPU kernels for tests and benchmarks");
+  o.def("paged_attention",
+        [](carray<float> q, carray<uint16_t> k_pages, carray<uint16_t> v_pages, carray<int32_t> table,
+           int64_t n, float scale) {
+          if (k_pages.ndim() != 3 || v_pages.ndim() != 3 || k_pages.shape(0) != v_pages.shape(0) ||
+              k_pages.shape(1) != v_pages.shape(1) || k_pages.shape(2) != v_pages.shape(2))
+            throw py::value_error("k_pages and v_pages must both be [pages, block_size, head_dim]");
+          const int64_t pages = k_pages.shape(0), bs = k_pages.shape(1), D = k_pages.shape(2);
+          if (q.size() != D) throw py::value_error("q must have head_dim elements");
+          if (n < 1 || n > table.size() * bs) throw py::value_error("n exceeds the pages in the table");
+          for (int64_t i = 0; i < table.size(); ++i)
+            if (table.data()[i] < 0 || table.data()[i] >= pages) throw py::value_error("table entry out of range");
+          py::array_t<float> out(D);
+          std::vector<float> scores(static_cast<size_t>(n), 0.f);
+          {
+            py::gil_scoped_release nogil;
+            const cpu::PagedKv kv{k_pages.data(), v_pages.data(), size_t(bs * D), table.data(), int(bs)};
+            cpu::paged_attention(q.data(), int(D), kv, n, scale, scores.data(), out.mutable_data());
+          }
+          return out;
+        },
+        py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("table"), py::arg("n"),
+        py::arg("scale"), "softmax(q.K*scale).V over paged half-precision K/V (pages as uint16 bits)");
+  o.def("silu_mul", [](carray<float> g, carray<float> u) {
+    if (g.size() != u.size()) throw py::value_error("g and u differ in size");
+    py::array_t<float> out(g.size());
+    cpu::vec_ops().silu_mul(g.size(), g.data(), u.data(), out.mutable_data());
+    return out;
+  });
+  o.def("exp_sub_sum", [](carray<float> x, float mx) {
+    py::array_t<float> y(x.size());
+    std::copy(x.data(), x.data() + x.size(), y.mutable_data());
+    const float s = cpu::vec_ops().exp_sub_sum(x.size(), y.mutable_data(), mx);
+    return py::make_tuple(y, s);
+  });
+  o.def("sample",
+        [](carray<float> logits, int n, float temperature, int top_k, float top_p, float min_p,
+           uint64_t seed) {
+          SamplingParams p;
+          p.temperature = temperature;
+          p.top_k = top_k;
+          p.top_p = top_p;
+          p.min_p = min_p;
+          p.seed = seed;
+          Sampler s(p);
+          py::array_t<int32_t> out(n);
+          {
+            py::gil_scoped_release nogil;
+            for (int i = 0; i < n; ++i) out.mutable_data()[i] = s.sample(logits.data(), logits.size());
+          }
+          return out;
+        },
+        py::arg("logits"), py::arg("n") = 1, py::arg("temperature") = 0.8f, py::arg("top_k") = 40,
+        py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f, py::arg("seed") = 0,
+        "n draws from one sampler (its RNG advances between draws)");
+}
+
+}  // namespace tf

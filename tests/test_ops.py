@@ -1,0 +1,103 @@
+"""Standalone CPU kernels against numpy float64 references: paged attention over permuted
+pages, vector primitives, and the sampler's distributions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensorfold import _core
+
+ops = _core.ops
+
+
+@pytest.mark.parametrize("D", [1, 17, 64, 80, 128])
+@pytest.mark.parametrize("n,bs", [(1, 16), (5, 16), (33, 16), (100, 7), (257, 32)])
+def test_paged_attention_matches_numpy(D, n, bs):
+    rng = np.random.default_rng(D * 1000 + n)
+    n_pages = (n + bs - 1) // bs + 3
+    k = rng.standard_normal((n_pages, bs, D)).astype(np.float16)
+    v = rng.standard_normal((n_pages, bs, D)).astype(np.float16)
+    table = rng.permutation(n_pages)[: (n + bs - 1) // bs].astype(np.int32)
+    q = (rng.standard_normal(D) * 2).astype(np.float32)
+    scale = 1.0 / np.sqrt(D)
+    out = ops.paged_attention(q, k.view(np.uint16), v.view(np.uint16), table, n, scale)
+    K = k[table].reshape(-1, D)[:n].astype(np.float64)
+    V = v[table].reshape(-1, D)[:n].astype(np.float64)
+    s = K @ q.astype(np.float64) * scale
+    p = np.exp(s - s.max())
+    p /= p.sum()
+    ref = p @ V
+    # q and p are rounded to half (llama.cpp's F16-cache numerics): ~1e-3 relative.
+    assert np.abs(out - ref).max() <= 3e-3 * max(1.0, np.abs(ref).max())
+
+
+def test_paged_attention_rejects_bad_tables():
+    k = np.zeros((2, 16, 8), np.uint16)
+    with pytest.raises(ValueError):
+        ops.paged_attention(np.zeros(8, np.float32), k, k, np.array([0, 5], np.int32), 20, 1.0)
+    with pytest.raises(ValueError):
+        ops.paged_attention(np.zeros(8, np.float32), k, k, np.array([0], np.int32), 17, 1.0)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000])
+def test_vector_primitives(n):
+    rng = np.random.default_rng(n)
+    g = (rng.standard_normal(n) * 6).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32)
+    ref = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
+    np.testing.assert_allclose(ops.silu_mul(g, u), ref, rtol=2e-6, atol=1e-6)
+    y, s = ops.exp_sub_sum(g, float(g.max()))
+    e = np.exp(g.astype(np.float64) - g.max())
+    np.testing.assert_allclose(y, e, rtol=2e-6, atol=1e-30)
+    assert s == pytest.approx(e.sum(), rel=1e-5)
+
+
+def _probs(logits, temperature):
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+def test_greedy_and_top_k_1():
+    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    assert list(ops.sample(logits, n=5, temperature=0.0)) == [int(logits.argmax())] * 5
+    assert list(ops.sample(logits, n=5, temperature=2.0, top_k=1)) == [int(logits.argmax())] * 5
+
+
+def test_temperature_distribution_matches_softmax():
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0], np.float32)
+    n = 40000
+    draws = ops.sample(logits, n=n, temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, seed=3)
+    freq = np.bincount(draws, minlength=5) / n
+    expect = _probs(logits, 0.7)
+    assert np.abs(freq - expect).max() < 4 * np.sqrt(expect.max() / n) + 1e-3
+
+
+def test_top_k_top_p_min_p_filters():
+    logits = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05], np.float32))
+    n = 20000
+    d = ops.sample(logits, n=n, temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=1)
+    assert set(np.unique(d)) == {0, 1}
+    freq = np.bincount(d, minlength=2)[:2] / n
+    np.testing.assert_allclose(freq, [0.4 / 0.7, 0.3 / 0.7], atol=0.02)
+    # top_p=0.8: smallest prefix with cumulative >= 0.8 is {0, 1, 2} (0.85)
+    d = ops.sample(logits, n=n, temperature=1.0, top_k=0, top_p=0.8, min_p=0.0, seed=2)
+    assert set(np.unique(d)) == {0, 1, 2}
+    # min_p=0.3: keep p >= 0.3 * 0.4 = 0.12 -> {0, 1, 2}
+    d = ops.sample(logits, n=n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.3, seed=3)
+    assert set(np.unique(d)) == {0, 1, 2}
+
+
+def test_seed_reproducible_and_independent():
+    logits = np.zeros(50000, np.float32)
+    a = ops.sample(logits, n=64, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    b = ops.sample(logits, n=64, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    c = ops.sample(logits, n=64, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=8)
+    assert (a == b).all() and (a != c).any()
+
+
+def test_non_finite_logits_are_never_sampled():
+    logits = np.full(10, -np.inf, np.float32)
+    logits[3] = 0.0
+    logits[7] = np.nan
+    assert set(ops.sample(logits, n=100, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)) == {3}
