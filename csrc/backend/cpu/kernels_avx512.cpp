@@ -188,8 +188,17 @@ void matmul_g32(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, co
     for (; r < r1; ++r) g32_tile<T, 1, 1>(k, w + r * ws, ws, xq, xs, y + r, ldy);
     return;
   }
-  for (; r + 2 <= r1; r += 2) g32_cols<T, 2>(k, w + r * ws, ws, xq, xs, ncols, y + r, ldy);
-  for (; r < r1; ++r) g32_cols<T, 1>(k, w + r * ws, ws, xq, xs, ncols, y + r, ldy);
+  // Column blocks keep the activations of one block (~64 rows x k) in L2 while all the
+  // row pairs stream past them.
+  constexpr int64_t CB = 64;
+  for (int64_t c0 = 0; c0 < ncols; c0 += CB) {
+    const int64_t nc = std::min(CB, ncols - c0);
+    const uint8_t* x = xq + c0 * xs;
+    float* yc = y + c0 * ldy;
+    int64_t rr = r0;
+    for (; rr + 2 <= r1; rr += 2) g32_cols<T, 2>(k, w + rr * ws, ws, x, xs, nc, yc + rr, ldy);
+    for (; rr < r1; ++rr) g32_cols<T, 1>(k, w + rr * ws, ws, x, xs, nc, yc + rr, ldy);
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -393,6 +402,11 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
   KW kw[4 * KC];
   // GEMV: one row at a time (one sequential weight stream); GEMM: 4-row tiles.
   const int64_t rt = ncols == 1 ? 1 : 4;
+  constexpr int64_t CB = 64;  // column block: its activation chunk stays in L2
+  for (int64_t c0 = 0; c0 < ncols; c0 += CB) {
+  const int64_t nc = std::min(CB, ncols - c0);
+  const uint8_t* xc = xq + c0 * xs;
+  float* yc = y + c0 * ldy;
   for (int64_t r = r0; r < r1; r += rt) {
     const int nr = int(std::min<int64_t>(rt, r1 - r));
     for (int64_t b0 = 0; b0 < nb; b0 += KC) {
@@ -411,12 +425,13 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
       }
       const bool first = b0 == 0;
       switch (nr) {
-        case 4: k_cols<4>(kw, kcb, xq, xs, ncols, b0, y + r, ldy, first); break;
-        case 3: k_cols<3>(kw, kcb, xq, xs, ncols, b0, y + r, ldy, first); break;
-        case 2: k_cols<2>(kw, kcb, xq, xs, ncols, b0, y + r, ldy, first); break;
-        default: k_cols<1>(kw, kcb, xq, xs, ncols, b0, y + r, ldy, first); break;
+        case 4: k_cols<4>(kw, kcb, xc, xs, nc, b0, yc + r, ldy, first); break;
+        case 3: k_cols<3>(kw, kcb, xc, xs, nc, b0, yc + r, ldy, first); break;
+        case 2: k_cols<2>(kw, kcb, xc, xs, nc, b0, yc + r, ldy, first); break;
+        default: k_cols<1>(kw, kcb, xc, xs, nc, b0, yc + r, ldy, first); break;
       }
     }
+  }
   }
 }
 
