@@ -2,12 +2,21 @@
 """End-to-end speed of TensorFold on a GGUF, optionally side by side with llama.cpp.
 
     python bench/e2e.py [--model PATH] [--threads 2] [--llama-bench /path/to/llama-bench]
+                        [--bandwidth] [--no-tensorfold]
 
 Reports, for the same file and thread count:
   prefill tok/s  (a 512-token prompt, like `llama-bench -p 512`)
   decode tok/s   (128 tokens after a 1-token prompt, like `llama-bench -n 128`)
   start-up to first token (a fresh process: import, load, first token)
 and the ratios TensorFold / llama.cpp when --llama-bench is given.
+
+--bandwidth adds decode effective bandwidth: the bytes of weights one decoded token must read
+(every non-expert weight, the LM head, one row of token_embd, and of each MoE layer's expert
+tensors the fraction n_used / n_expert) times decode tok/s, for each engine, and that as a
+fraction of the machine's DRAM read bandwidth measured in the same run
+(tensorfold._core.kernels_read_bytes streaming a >= 2 GiB buffer, best of 3).
+--no-tensorfold measures only llama.cpp (and the bandwidth), e.g. for a model TensorFold
+cannot load yet.
 """
 from __future__ import annotations
 
@@ -66,6 +75,56 @@ def measure_startup(model: str, threads: int) -> float:
     return best
 
 
+def decode_bytes_per_token(model: str) -> dict:
+    """Bytes of weights one decode step reads, from the GGUF's tensor table and metadata.
+
+    Expert tensors (3-D, *_exps) are stacked [.., .., n_expert]: a token reads n_used of the
+    n_expert slices. token_embd is a lookup (one row) unless it doubles as the LM head (no
+    output.weight). Everything else (attention, norms, router, shared experts, dense FFNs,
+    LM head) is read in full.
+    """
+    from tensorfold import _core
+
+    f = _core.GgufFile(model)
+    arch = f.get_string("general.architecture", "")
+    n_expert = f.get_int(f"{arch}.expert_count", 0) or 0
+    n_used = f.get_int(f"{arch}.expert_used_count", 0) or 0
+    tensors = f.tensors()
+    names = {t["name"] for t in tensors}
+    tied = "output.weight" not in names
+    dense = experts = experts_all = 0
+    for t in tensors:
+        name, nb, shape = t["name"], t["nbytes"], t["shape"]
+        if name == "token_embd.weight":
+            dense += nb if tied else nb // shape[-1]
+        elif "_exps" in name and len(shape) == 3 and n_expert > 0:
+            if shape[-1] != n_expert:
+                raise ValueError(f"{name}: last dimension {shape[-1]} != expert_count {n_expert}")
+            experts_all += nb
+            experts += nb // n_expert * n_used
+        else:
+            dense += nb
+    return {"total": dense + experts, "dense": dense, "experts": experts, "experts_all": experts_all,
+            "n_expert": n_expert, "n_used": n_used, "file": f.file_size}
+
+
+def measure_dram_read(threads: int, gib: float = 2.0, reps: int = 3) -> float:
+    """Best-of-`reps` read bandwidth (bytes/s) streaming a `gib` GiB buffer on `threads` threads."""
+    import numpy as np
+
+    from tensorfold import _core
+
+    buf = np.ones(int(gib * 2**30), dtype=np.uint8)  # written once: pages are resident
+    _core.kernels_read_bytes(buf, threads)  # warm-up
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _core.kernels_read_bytes(buf, threads)
+        best = max(best, buf.nbytes / (time.perf_counter() - t0))
+    del buf
+    return best
+
+
 def measure_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict:
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.path.dirname(os.path.abspath(binary)) + ":" + env.get("LD_LIBRARY_PATH", "")
@@ -92,25 +151,55 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--llama-bench", default=None, help="path of a llama-bench binary to compare against")
     ap.add_argument("--no-startup", action="store_true", help="skip the start-up measurement")
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="report decode effective bandwidth vs measured DRAM read bandwidth")
+    ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the DRAM probe buffer")
+    ap.add_argument("--no-tensorfold", action="store_true", help="measure llama.cpp only")
     a = ap.parse_args()
+    if a.no_tensorfold and not a.llama_bench and not a.bandwidth:
+        ap.error("--no-tensorfold leaves nothing to measure without --llama-bench or --bandwidth")
 
     import tensorfold
 
     model = a.model or tensorfold.pull()
     print(f"model: {model}\nthreads: {a.threads}, prompt {a.n_prompt}, generate {a.n_gen}, {a.reps} reps")
-    tf = measure_tensorfold(model, a.threads, a.n_prompt, a.n_gen, a.reps)
+    if a.bandwidth:
+        acct = decode_bytes_per_token(model)
+        dram = measure_dram_read(a.threads, a.bandwidth_gib)
+    tf = None
+    if not a.no_tensorfold:
+        try:
+            tf = measure_tensorfold(model, a.threads, a.n_prompt, a.n_gen, a.reps)
+        except Exception as e:  # noqa: BLE001 - report any load/run failure plainly
+            print(f"\nerror: TensorFold cannot run {model}: {type(e).__name__}: {e}\n"
+                  "(use --no-tensorfold to measure llama.cpp only)", file=sys.stderr)
+            return 2
     lc = measure_llama_bench(a.llama_bench, model, a.threads, a.n_prompt, a.n_gen, a.reps) if a.llama_bench else None
+
+    def cell(r, key):
+        return f"{r[key]:.1f} ± {r[key + '_sd']:.1f}" if r else "-"
+
     print(f"\n{'test':<12}{'TensorFold tok/s':>20}{'llama.cpp tok/s':>20}{'ratio':>10}")
     for key, name in (("pp", f"pp{a.n_prompt}"), ("tg", f"tg{a.n_gen}")):
-        ours = f"{tf[key]:.1f} ± {tf[key + '_sd']:.1f}"
-        if lc:
-            theirs = f"{lc[key]:.1f} ± {lc[key + '_sd']:.1f}"
-            print(f"{name:<12}{ours:>20}{theirs:>20}{tf[key] / lc[key]:>9.2f}x")
-        else:
-            print(f"{name:<12}{ours:>20}{'-':>20}{'-':>10}")
+        ratio = f"{tf[key] / lc[key]:>9.2f}x" if tf and lc else f"{'-':>10}"
+        print(f"{name:<12}{cell(tf, key):>20}{cell(lc, key):>20}{ratio}")
     if lc:
         print(f"llama.cpp build: {lc['build']}")
-    if not a.no_startup:
+    if a.bandwidth:
+        moe = (f", experts {acct['experts'] / 1e6:.1f} MB = {acct['n_used']}/{acct['n_expert']} "
+               f"of {acct['experts_all'] / 1e6:.1f} MB" if acct["n_expert"] else "")
+        print(f"\ndecode weight bytes per token: {acct['total'] / 1e6:.1f} MB "
+              f"(non-expert incl. LM head {acct['dense'] / 1e6:.1f} MB{moe}; file {acct['file'] / 1e6:.1f} MB)")
+        print(f"DRAM read bandwidth: {dram / 1e9:.2f} GB/s "
+              f"(kernels_read_bytes, {a.bandwidth_gib:g} GiB buffer, {a.threads} threads, best of 3)")
+        print(f"{'decode':<12}{'tok/s':>10}{'effective GB/s':>18}{'of DRAM':>10}")
+        for label, r in (("TensorFold", tf), ("llama.cpp", lc)):
+            if r:
+                eff = acct["total"] * r["tg"]
+                print(f"{label:<12}{r['tg']:>10.1f}{eff / 1e9:>18.2f}{eff / dram:>9.0%}")
+        print(f"{'bound':<12}{dram / acct['total']:>10.1f}{dram / 1e9:>18.2f}{1:>9.0%}"
+              "   (decode tok/s if every weight byte came from DRAM at that rate)")
+    if tf and not a.no_startup:
         print(f"start-up to first token (fresh process, best of 3): {measure_startup(model, a.threads):.2f} s")
     return 0
 

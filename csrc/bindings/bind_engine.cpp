@@ -13,8 +13,11 @@ namespace tf {
 void bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& path, int threads, int64_t kv_tokens, int64_t context,
-                       int max_batch_tokens) {
+                       int max_batch_tokens, const std::string& kv_type) {
              EngineOptions o;
+             if (kv_type == "f16") o.kv_type = KvType::F16;
+             else if (kv_type == "f32") o.kv_type = KvType::F32;
+             else throw py::value_error("kv_type must be 'f16' or 'f32', got '" + kv_type + "'");
              o.threads = threads;
              o.kv_tokens = kv_tokens;
              o.context = context;
@@ -23,7 +26,7 @@ void bind_engine(py::module_& m) {
              return std::make_unique<Engine>(path, o);
            }),
            py::arg("path"), py::arg("threads") = 0, py::arg("kv_tokens") = 0, py::arg("context") = 0,
-           py::arg("max_batch_tokens") = 512)
+           py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16")
       .def("add_request",
            [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
               int top_k, float top_p, float min_p, uint64_t seed, const std::vector<int32_t>& eog_ids,
@@ -72,6 +75,16 @@ void bind_engine(py::module_& m) {
              return a;
            },
            py::arg("ids"))
+      .def("routing",
+           [](Engine& e, const std::vector<int32_t>& ids) {
+             std::vector<std::vector<int32_t>> tr;
+             {
+               py::gil_scoped_release nogil;
+               tr = e.routing(ids);
+             }
+             return tr;
+           },
+           py::arg("ids"), "experts chosen by each MoE layer for each position: [n_layer][len * top_k]")
       .def_property_readonly("threads", &Engine::threads)
       .def_property_readonly("context", &Engine::context)
       .def_property_readonly("kv_tokens", &Engine::kv_tokens)
@@ -93,6 +106,9 @@ void bind_engine(py::module_& m) {
         d["rope_base"] = c.rope_base;
         d["rope_neox"] = c.rope_neox;
         d["tied_output"] = c.tied_output;
+        d["n_expert"] = c.n_expert;
+        d["n_expert_used"] = c.n_expert_used;
+        d["n_ff_exp"] = c.n_ff_exp;
         d["summary"] = c.summary();
         return d;
       })
@@ -108,6 +124,7 @@ void bind_engine(py::module_& m) {
         d["active_requests"] = e.n_active();
         d["kv_tokens"] = e.kv_tokens();
         d["free_kv_tokens"] = e.free_kv_tokens();
+        if (e.config().is_moe()) d["expert_usage"] = e.expert_usage();
         return d;
       });
 }

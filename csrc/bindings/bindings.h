@@ -8,4 +8,5 @@ void bind_engine(pybind11::module_& m);
 void bind_kernels(pybind11::module_& m);
 void bind_cuda(pybind11::module_& m);
 void bind_ops(pybind11::module_& m);
+void bind_moe(pybind11::module_& m);
 }  // namespace tf

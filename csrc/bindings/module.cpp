@@ -31,4 +31,5 @@ PYBIND11_MODULE(_core, m) {
   tf::bind_engine(m);
   tf::bind_cuda(m);
   tf::bind_ops(m);
+  tf::bind_moe(m);
 }

@@ -37,7 +37,7 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
          ") so that one full-length sequence fits; raise kv_tokens or lower context");
   max_batch_tokens_ = std::max(1, opts.max_batch_tokens);
   const int64_t n_blocks = (kv_tokens + kKvBlockSize - 1) / kKvBlockSize;
-  kv_ = std::make_unique<PagedKvCache>(c.n_layer, c.n_head_kv, c.head_dim, kKvBlockSize, n_blocks);
+  kv_ = std::make_unique<PagedKvCache>(c.n_layer, c.n_head_kv, c.head_dim, kKvBlockSize, n_blocks, opts.kv_type);
   pool_ = std::make_unique<ThreadPool>(threads);
   model_->reserve(max_batch_tokens_, context_, threads);
   logits_.assign(size_t(kMaxLogitRows) * size_t(c.n_vocab), 0.f);
@@ -220,6 +220,19 @@ std::vector<float> Engine::logits(const std::vector<int32_t>& ids) {
   }
   kv_->free_sequence(slot);
   return result;
+}
+
+std::vector<std::vector<int32_t>> Engine::routing(const std::vector<int32_t>& ids) {
+  model_->set_routing_trace(true);
+  try {
+    logits(ids);
+  } catch (...) {
+    model_->set_routing_trace(false);
+    throw;
+  }
+  std::vector<std::vector<int32_t>> trace = model_->routing_trace();
+  model_->set_routing_trace(false);
+  return trace;
 }
 
 }  // namespace tf

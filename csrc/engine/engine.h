@@ -24,6 +24,7 @@ struct EngineOptions {
   int64_t kv_tokens = 0;       // KV pool size in tokens; 0: context * 2 (at least 4096)
   int64_t context = 0;         // per-sequence limit; 0: min(model's trained context, 8192)
   int max_batch_tokens = 512;  // token budget of one step (prefill chunk size)
+  KvType kv_type = KvType::F16;
 };
 
 struct RequestParams {
@@ -61,6 +62,8 @@ class Engine {
   int64_t free_kv_tokens() const { return kv_->free_blocks() * kv_->block_size(); }
   size_t kv_bytes() const { return kv_->bytes(); }
   const EngineStats& stats() const { return stats_; }
+  // Tokens routed to each expert, per layer (empty rows for dense layers / models).
+  const std::vector<std::vector<int64_t>>& expert_usage() const { return model_->expert_usage(); }
 
   int64_t add_request(const std::vector<int32_t>& prompt, const RequestParams& params);
   void abort(int64_t request_id);
@@ -70,6 +73,9 @@ class Engine {
 
   // Logits of every position of `ids` as one fresh sequence: [ids.size(), n_vocab].
   std::vector<float> logits(const std::vector<int32_t>& ids);
+  // The experts each MoE layer chooses for every position of `ids`: [n_layer][len * n_used]
+  // (empty for dense layers).
+  std::vector<std::vector<int32_t>> routing(const std::vector<int32_t>& ids);
 
  private:
   struct Sequence {

@@ -6,17 +6,18 @@
 
 namespace tf {
 
-PagedKvCache::PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks)
+PagedKvCache::PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks,
+                           KvType type)
     : n_layer_(n_layer), n_kv_head_(n_kv_head), head_dim_(head_dim), block_size_(block_size),
-      n_blocks_(n_blocks) {
+      n_blocks_(n_blocks), type_(type) {
   TF_CHECK(n_layer > 0 && n_kv_head > 0 && head_dim > 0 && block_size > 0 && n_blocks > 0,
            "invalid KV cache geometry");
   const size_t elems = size_t(n_layer) * size_t(n_blocks) * 2 * size_t(n_kv_head) *
                        size_t(block_size) * size_t(head_dim);
   n_elems_ = elems;
-  storage_.reset(new (std::nothrow) uint16_t[elems]);
+  storage_.reset(new (std::nothrow) uint8_t[elems * elem_size()]);
   if (!storage_) {
-    fail(ErrorKind::OutOfMemory, "cannot allocate the KV cache pool (", elems * 2 / (1 << 20),
+    fail(ErrorKind::OutOfMemory, "cannot allocate the KV cache pool (", elems * elem_size() / (1 << 20),
          " MiB); lower kv_tokens");
   }
   free_list_.reserve(size_t(n_blocks));
@@ -66,14 +67,14 @@ int64_t PagedKvCache::capacity(int seq) const {
   return int64_t(tables_[size_t(seq)].size()) * block_size_;
 }
 
-uint16_t* PagedKvCache::k_row(int layer, int seq, int64_t pos, int kv_head) {
+void* PagedKvCache::k_row(int layer, int seq, int64_t pos, int kv_head) {
   const int32_t block = tables_[size_t(seq)][size_t(pos / block_size_)];
-  return k_block(layer, block, kv_head) + size_t(pos % block_size_) * size_t(head_dim_);
+  return at(layer, block, 0, kv_head) + size_t(pos % block_size_) * size_t(head_dim_) * elem_size();
 }
 
-uint16_t* PagedKvCache::v_row(int layer, int seq, int64_t pos, int kv_head) {
+void* PagedKvCache::v_row(int layer, int seq, int64_t pos, int kv_head) {
   const int32_t block = tables_[size_t(seq)][size_t(pos / block_size_)];
-  return v_block(layer, block, kv_head) + size_t(pos % block_size_) * size_t(head_dim_);
+  return at(layer, block, 1, kv_head) + size_t(pos % block_size_) * size_t(head_dim_) * elem_size();
 }
 
 }  // namespace tf

@@ -8,14 +8,20 @@
 
 namespace tf {
 
+enum class KvType { F16, F32 };
+
 class PagedKvCache {
  public:
-  PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks);
+  PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks,
+               KvType type = KvType::F16);
+
+  KvType type() const { return type_; }
+  size_t elem_size() const { return type_ == KvType::F32 ? 4 : 2; }
 
   int block_size() const { return block_size_; }
   int64_t n_blocks() const { return n_blocks_; }
   int64_t free_blocks() const { return int64_t(free_list_.size()); }
-  size_t bytes() const { return n_elems_ * sizeof(uint16_t); }
+  size_t bytes() const { return n_elems_ * elem_size(); }
 
   // Sequence slots. A slot owns the blocks listed in its block table.
   int create_sequence();
@@ -27,27 +33,28 @@ class PagedKvCache {
   const std::vector<int32_t>& block_table(int seq) const { return tables_[size_t(seq)]; }
   int64_t blocks_needed(int seq, int64_t n_tokens) const;
 
-  // Rows of one (layer, block, kv head): [block_size][head_dim] halves.
-  uint16_t* k_block(int layer, int32_t block, int kv_head) { return at(layer, block, 0, kv_head); }
-  uint16_t* v_block(int layer, int32_t block, int kv_head) { return at(layer, block, 1, kv_head); }
+  // Rows of one (layer, block, kv head): [block_size][head_dim] elements.
+  void* k_block(int layer, int32_t block, int kv_head) { return at(layer, block, 0, kv_head); }
+  void* v_block(int layer, int32_t block, int kv_head) { return at(layer, block, 1, kv_head); }
   // Elements between the same (layer, kv head) rows of consecutive blocks.
   size_t page_stride() const { return 2 * size_t(n_kv_head_) * size_t(block_size_) * size_t(head_dim_); }
   // Row of the token at `pos` of sequence `seq`.
-  uint16_t* k_row(int layer, int seq, int64_t pos, int kv_head);
-  uint16_t* v_row(int layer, int seq, int64_t pos, int kv_head);
+  void* k_row(int layer, int seq, int64_t pos, int kv_head);
+  void* v_row(int layer, int seq, int64_t pos, int kv_head);
 
  private:
-  uint16_t* at(int layer, int32_t block, int kv, int head) {
+  uint8_t* at(int layer, int32_t block, int kv, int head) {
     const size_t idx = ((size_t(layer) * size_t(n_blocks_) + size_t(block)) * 2 + size_t(kv)) *
                            size_t(n_kv_head_) + size_t(head);
-    return storage_.get() + idx * size_t(block_size_) * size_t(head_dim_);
+    return storage_.get() + idx * size_t(block_size_) * size_t(head_dim_) * elem_size();
   }
 
   int n_layer_, n_kv_head_, head_dim_, block_size_;
   int64_t n_blocks_;
+  KvType type_;
   // Left uninitialised: pages are touched only when a block is first written, so a large
   // pool costs nothing at start-up.
-  std::unique_ptr<uint16_t[]> storage_;
+  std::unique_ptr<uint8_t[]> storage_;
   size_t n_elems_ = 0;
   std::vector<int32_t> free_list_;
   std::vector<std::vector<int32_t>> tables_;

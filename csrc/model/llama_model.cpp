@@ -45,13 +45,37 @@ Weight LlamaModel::load_weight(const std::string& name, int64_t k, int64_t rows,
   return w;
 }
 
+ExpertWeight LlamaModel::load_experts(const std::string& name, int64_t k, int64_t rows, int64_t n_expert) {
+  const GgufTensorInfo* t = file_->find_tensor(name);
+  if (!t) fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " is missing");
+  if (t->ne.size() != 3 || t->ne[0] != k || t->ne[1] != rows || t->ne[2] != n_expert)
+    fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " has shape ", shape_str(t->ne),
+         ", expected [", k, ", ", rows, ", ", n_expert, "]");
+  if (!t->type_supported)
+    fail(ErrorKind::Unsupported, file_->path(), ": tensor ", name, " has type ",
+         type_name(t->type_id) ? type_name(t->type_id) : "?", " which TensorFold cannot compute with yet");
+  ExpertWeight w;
+  w.first.type = t->type();
+  w.first.k = k;
+  w.first.rows = rows;
+  w.first.data = t->data;
+  w.first.row_stride = row_bytes(w.first.type, k);
+  w.n_expert = n_expert;
+  w.expert_stride = w.first.row_stride * size_t(rows);
+  weight_bytes_ += t->nbytes;
+  return w;
+}
+
 const float* LlamaModel::load_vector(const std::string& name, int64_t n, bool required) {
   const GgufTensorInfo* t = file_->find_tensor(name);
   if (!t) {
     if (required) fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " is missing");
     return nullptr;
   }
-  if (t->ne.size() != 1 || t->ne[0] != n)
+  // A vector may be stored with trailing unit dimensions ([n, 1]), as ggml treats them alike.
+  bool ok = !t->ne.empty() && t->ne[0] == n;
+  for (size_t i = 1; i < t->ne.size(); ++i) ok = ok && t->ne[i] == 1;
+  if (!ok)
     fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " has shape ", shape_str(t->ne),
          ", expected [", n, "]");
   weight_bytes_ += t->nbytes;
@@ -89,13 +113,48 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file) : file_(std::move(file)) 
       L.k_norm = load_vector(p + "attn_k_norm.weight", D);
     }
     L.ffn_norm = load_vector(p + "ffn_norm.weight", E);
-    L.w_gate = load_weight(p + "ffn_gate.weight", E, cfg_.n_ff);
-    L.w_up = load_weight(p + "ffn_up.weight", E, cfg_.n_ff);
-    L.w_down = load_weight(p + "ffn_down.weight", cfg_.n_ff, E);
-    if (L.wq.type != L.wk.type || L.wq.type != L.wv.type || L.w_gate.type != L.w_up.type)
+    L.moe = cfg_.is_moe() && file_->find_tensor(p + "ffn_gate_inp.weight") != nullptr;
+    if (L.moe) {
+      const int64_t NE = cfg_.n_expert, FE = cfg_.n_ff_exp;
+      L.router = load_weight(p + "ffn_gate_inp.weight", E, NE);
+      L.selection_bias = load_vector(p + "exp_probs_b.bias", NE, false);
+      L.gate_exps = load_experts(p + "ffn_gate_exps.weight", E, FE, NE);
+      L.up_exps = load_experts(p + "ffn_up_exps.weight", E, FE, NE);
+      L.down_exps = load_experts(p + "ffn_down_exps.weight", FE, E, NE);
+      if (L.gate_exps.first.type != L.up_exps.first.type)
+        fail(ErrorKind::Unsupported, file_->path(), ": layer ", il, " has different gate/up expert types");
+      if (const GgufTensorInfo* sh = file_->find_tensor(p + "ffn_gate_shexp.weight")) {
+        const int64_t FS = sh->ne.size() == 2 ? sh->ne[1] : 0;
+        L.gate_shexp = load_weight(p + "ffn_gate_shexp.weight", E, FS);
+        L.up_shexp = load_weight(p + "ffn_up_shexp.weight", E, FS);
+        L.down_shexp = load_weight(p + "ffn_down_shexp.weight", FS, E);
+        L.shexp_gate = load_vector(p + "ffn_gate_inp_shexp.weight", E, false);
+        if (L.gate_shexp.type != L.up_shexp.type)
+          fail(ErrorKind::Unsupported, file_->path(), ": layer ", il, " has different shared gate/up types");
+        shexp_width_ = std::max<int64_t>(shexp_width_, FS);
+      }
+    } else {
+      if (cfg_.n_ff <= 0)
+        fail(ErrorKind::InvalidInput, file_->path(), ": layer ", il, " has no router and no dense FFN size");
+      L.w_gate = load_weight(p + "ffn_gate.weight", E, cfg_.n_ff);
+      L.w_up = load_weight(p + "ffn_up.weight", E, cfg_.n_ff);
+      L.w_down = load_weight(p + "ffn_down.weight", cfg_.n_ff, E);
+      if (L.w_gate.type != L.w_up.type)
+        fail(ErrorKind::Unsupported, file_->path(), ": layer ", il, " has different gate/up types");
+    }
+    if (L.wq.type != L.wk.type || L.wq.type != L.wv.type)
       fail(ErrorKind::Unsupported, file_->path(), ": layer ", il,
-           " mixes weight types within q/k/v or gate/up; not supported yet");
+           " mixes weight types within q/k/v; not supported yet");
   }
+}
+
+void LlamaModel::reset_expert_usage() {
+  expert_usage_.assign(size_t(cfg_.n_layer), std::vector<int64_t>(size_t(cfg_.n_expert), 0));
+}
+
+void LlamaModel::set_routing_trace(bool on) {
+  tracing_ = on;
+  trace_.assign(size_t(cfg_.n_layer), {});
 }
 
 void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
@@ -112,40 +171,158 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   k_.assign(T * KD, 0.f);
   v_.assign(T * KD, 0.f);
   attn_.assign(T * QD, 0.f);
-  gate_.assign(T * F, 0.f);
-  up_.assign(T * F, 0.f);
+  const size_t FW = std::max(F, size_t(shexp_width_));  // dense or shared-expert FFN width
+  gate_.assign(T * FW, 0.f);
+  up_.assign(T * FW, 0.f);
   rope_cs_.assign(T * size_t(cfg_.rope_dim), 0.f);
   scores_.assign(size_t(n_threads) * size_t(max_ctx), 0.f);
   size_t act = 0;
-  auto consider = [&](const Weight& w) { act = std::max(act, cpu::act_row_bytes(w.type, w.k)); };
+  auto consider = [&](const Weight& w) {
+    if (w.rows > 0) act = std::max(act, cpu::act_row_bytes(w.type, w.k));
+  };
   consider(output_);
   for (const auto& L : layers_) {
     consider(L.wq); consider(L.wo); consider(L.w_gate); consider(L.w_down);
+    consider(L.router); consider(L.gate_exps.first); consider(L.down_exps.first);
+    consider(L.gate_shexp); consider(L.down_shexp);
   }
   act_stride_ = (act + 63) & ~size_t(63);
   act_.assign(T * act_stride_, 0);
+  jobs_.clear();
+  jobs_.reserve(size_t(2 * std::max(cfg_.n_expert, 2) + 4));
+  reset_expert_usage();
+  if (cfg_.is_moe()) {
+    const size_t NE = size_t(cfg_.n_expert), K = size_t(cfg_.n_expert_used), FE = size_t(cfg_.n_ff_exp);
+    router_logits_.assign(T * NE, 0.f);
+    route_w_.assign(T * K, 0.f);
+    route_ids_.assign(T * K, 0);
+    route_scratch_.assign(3 * NE, 0.f);
+    exp_count_.assign(NE, 0);
+    exp_offset_.assign(NE + 1, 0);
+    exp_rows_.assign(T * K, 0);
+    slot_of_.assign(T * K, 0);
+    exp_gate_.assign(T * K * FE, 0.f);
+    exp_up_.assign(T * K * FE, 0.f);
+    exp_out_.assign(T * K * E, 0.f);
+    exp_act_.assign(T * K * act_stride_, 0);
+  }
 }
 
-void LlamaModel::quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool) {
-  // Rows of x are k floats apart.
-  pool.parallel_for(T, std::max<int64_t>(1, 8), [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c)
-      cpu::quantize_act_row(t, x + c * k, act_.data() + size_t(c) * act_stride_, k);
+void LlamaModel::quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool,
+                               uint8_t* dst) {
+  // Rows of x are k floats apart; quantized rows act_stride_ bytes apart.
+  if (!dst) dst = act_.data();
+  pool.parallel_for(T, 8, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) cpu::quantize_act_row(t, x + c * k, dst + size_t(c) * act_stride_, k);
+  });
+}
+
+void LlamaModel::run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool) {
+  pool.run([&](int t, int nt) {
+    for (const MatmulJob& j : jobs) {
+      // Split rows evenly in multiples of 16 so kernels see whole row tiles.
+      const int64_t per = ((j.w.rows + nt - 1) / nt + 15) & ~int64_t(15);
+      const int64_t r0 = std::min(j.w.rows, per * t), r1 = std::min(j.w.rows, per * (t + 1));
+      if (r0 < r1)
+        cpu::matmul_rows(j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride, j.ncols,
+                         j.y, j.ldy);
+    }
   });
 }
 
 void LlamaModel::matmul(std::initializer_list<std::pair<const Weight*, float*>> ws, int64_t T,
                         ThreadPool& pool) {
-  pool.run([&](int t, int nt) {
-    for (const auto& [w, y] : ws) {
-      // Split rows evenly in multiples of 16 so kernels see whole row tiles.
-      const int64_t per = ((w->rows + nt - 1) / nt + 15) & ~int64_t(15);
-      const int64_t r0 = std::min(w->rows, per * t), r1 = std::min(w->rows, per * (t + 1));
-      if (r0 < r1)
-        cpu::matmul_rows(w->type, w->k, w->data, w->row_stride, r0, r1, act_.data(), act_stride_, T,
-                         y, w->rows);
+  jobs_.clear();
+  for (const auto& [w, y] : ws) jobs_.push_back({*w, act_.data(), act_stride_, T, y, w->rows});
+  run_jobs(jobs_, pool);
+}
+
+void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
+  const LayerWeights& L = layers_[size_t(layer)];
+  const int64_t E = cfg_.n_embd, NE = cfg_.n_expert, K = cfg_.n_expert_used, FE = cfg_.n_ff_exp;
+  const size_t S = act_stride_;
+  // 1. Router logits and routing.
+  quantize_acts(L.router.type, xn_.data(), T, E, pool);
+  matmul({{&L.router, router_logits_.data()}}, T, pool);
+  moe::RouterConfig rc = cfg_.router;
+  rc.selection_bias = L.selection_bias;
+  moe::route(rc, router_logits_.data(), T, route_ids_.data(), route_w_.data(), route_scratch_.data());
+  if (tracing_)
+    trace_[size_t(layer)].insert(trace_[size_t(layer)].end(), route_ids_.begin(), route_ids_.begin() + T * K);
+  // 2. Counting sort of the (token, slot) pairs by expert.
+  std::fill(exp_count_.begin(), exp_count_.end(), 0);
+  for (int64_t i = 0; i < T * K; ++i) ++exp_count_[size_t(route_ids_[size_t(i)])];
+  exp_offset_[0] = 0;
+  for (int64_t e = 0; e < NE; ++e) exp_offset_[size_t(e + 1)] = exp_offset_[size_t(e)] + exp_count_[size_t(e)];
+  auto& usage = expert_usage_[size_t(layer)];
+  for (int64_t e = 0; e < NE; ++e) {
+    usage[size_t(e)] += exp_count_[size_t(e)];
+    exp_count_[size_t(e)] = 0;  // reused as the fill cursor below
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = route_ids_[size_t(t * K + k)];
+      const int32_t row = exp_offset_[size_t(e)] + exp_count_[size_t(e)]++;
+      exp_rows_[size_t(row)] = int32_t(t);
+      slot_of_[size_t(t * K + k)] = row;
     }
+  // 3. Gate/up: each expert's tokens gathered (already quantized) into consecutive rows.
+  quantize_acts(L.gate_exps.first.type, xn_.data(), T, E, pool);
+  const int64_t R = T * K;
+  for (int64_t r = 0; r < R; ++r)
+    std::memcpy(exp_act_.data() + size_t(r) * S, act_.data() + size_t(exp_rows_[size_t(r)]) * S, S);
+  jobs_.clear();
+  for (int64_t e = 0; e < NE; ++e) {
+    const int64_t off = exp_offset_[size_t(e)], c = exp_offset_[size_t(e + 1)] - off;
+    if (c == 0) continue;
+    jobs_.push_back({L.gate_exps.expert(e), exp_act_.data() + size_t(off) * S, S, c, exp_gate_.data() + off * FE, FE});
+    jobs_.push_back({L.up_exps.expert(e), exp_act_.data() + size_t(off) * S, S, c, exp_up_.data() + off * FE, FE});
+  }
+  run_jobs(jobs_, pool);
+  const cpu::VecOps& ops = cpu::vec_ops();
+  pool.parallel_for(R, 4, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) ops.silu_mul(FE, exp_gate_.data() + r * FE, exp_up_.data() + r * FE, exp_gate_.data() + r * FE);
   });
+  // 4. Down projections, then the weighted combine into the residual (slot order: fixed).
+  quantize_acts(L.down_exps.first.type, exp_gate_.data(), R, FE, pool, exp_act_.data());
+  jobs_.clear();
+  for (int64_t e = 0; e < NE; ++e) {
+    const int64_t off = exp_offset_[size_t(e)], c = exp_offset_[size_t(e + 1)] - off;
+    if (c == 0) continue;
+    jobs_.push_back({L.down_exps.expert(e), exp_act_.data() + size_t(off) * S, S, c, exp_out_.data() + off * E, E});
+  }
+  run_jobs(jobs_, pool);
+  for (int64_t t = 0; t < T; ++t) {
+    float* xt = x_.data() + t * E;
+    for (int64_t k = 0; k < K; ++k) {
+      const float w = route_w_[size_t(t * K + k)];
+      const float* o = exp_out_.data() + int64_t(slot_of_[size_t(t * K + k)]) * E;
+      for (int64_t i = 0; i < E; ++i) xt[i] += w * o[i];
+    }
+  }
+  // 5. Shared expert (always on), optionally scaled by a sigmoid gate.
+  if (L.gate_shexp.rows > 0) {
+    const int64_t FS = L.gate_shexp.rows;
+    quantize_acts(L.gate_shexp.type, xn_.data(), T, E, pool);
+    jobs_.clear();
+    jobs_.push_back({L.gate_shexp, act_.data(), S, T, gate_.data(), FS});
+    jobs_.push_back({L.up_shexp, act_.data(), S, T, up_.data(), FS});
+    run_jobs(jobs_, pool);
+    for (int64_t t = 0; t < T; ++t) ops.silu_mul(FS, gate_.data() + t * FS, up_.data() + t * FS, gate_.data() + t * FS);
+    quantize_acts(L.down_shexp.type, gate_.data(), T, FS, pool);
+    float* sh = exp_out_.data();  // free again after the combine
+    matmul({{&L.down_shexp, sh}}, T, pool);
+    for (int64_t t = 0; t < T; ++t) {
+      float g = 1.f;
+      if (L.shexp_gate) {
+        float z = 0.f;
+        for (int64_t i = 0; i < E; ++i) z += xn_[size_t(t * E + i)] * L.shexp_gate[i];
+        g = 1.f / (1.f + std::exp(-z));
+      }
+      float* xt = x_.data() + t * E;
+      for (int64_t i = 0; i < E; ++i) xt[i] += g * sh[t * E + i];
+    }
+  }
 }
 
 void LlamaModel::rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const {
@@ -194,7 +371,7 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
       const int h = int(it % H), g = h / group;
       const BatchToken& bt = batch[size_t(t)];
       const cpu::PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
-                               kv.block_table(bt.seq).data(), kv.block_size()};
+                               kv.block_table(bt.seq).data(), kv.block_size(), kv.type() == KvType::F32};
       cpu::paged_attention(q_.data() + (t * H + h) * D, D, pages, int64_t(bt.pos) + 1, scale, scores,
                            attn_.data() + (t * H + h) * D);
     }
@@ -253,8 +430,13 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
         for (int64_t h = 0; h < HK; ++h) {
           if (L.k_norm) head_rmsnorm(k + h * D, L.k_norm, int(D), cfg_.rms_eps);
           rope_head(k + h * D, cs, rd, cfg_.rope_neox);
-          ops.f32_to_f16(D, k + h * D, kv.k_row(il, bt.seq, bt.pos, int(h)));
-          ops.f32_to_f16(D, v + h * D, kv.v_row(il, bt.seq, bt.pos, int(h)));
+          if (kv.type() == KvType::F32) {
+            std::memcpy(kv.k_row(il, bt.seq, bt.pos, int(h)), k + h * D, size_t(D) * sizeof(float));
+            std::memcpy(kv.v_row(il, bt.seq, bt.pos, int(h)), v + h * D, size_t(D) * sizeof(float));
+          } else {
+            ops.f32_to_f16(D, k + h * D, static_cast<uint16_t*>(kv.k_row(il, bt.seq, bt.pos, int(h))));
+            ops.f32_to_f16(D, v + h * D, static_cast<uint16_t*>(kv.v_row(il, bt.seq, bt.pos, int(h))));
+          }
         }
       }
     });
@@ -264,6 +446,10 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
     for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
 
     rmsnorm(x_.data(), L.ffn_norm, xn_.data(), T, E);
+    if (L.moe) {
+      moe_ffn(il, T, pool);
+      continue;
+    }
     quantize_acts(L.w_gate.type, xn_.data(), T, E, pool);
     matmul({{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}}, T, pool);
     pool.parallel_for(T, 4, [&](int64_t b, int64_t e) {

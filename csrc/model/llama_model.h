@@ -22,13 +22,42 @@ struct Weight {
   size_t row_stride = 0;
 };
 
+// A 3-D expert tensor: n_expert matrices of `rows` x `k`, expert e at data + e * expert_stride.
+struct ExpertWeight {
+  Weight first;            // expert 0 (type, k, rows, row_stride)
+  int64_t n_expert = 0;
+  size_t expert_stride = 0;
+  Weight expert(int64_t e) const {
+    Weight w = first;
+    w.data = first.data + size_t(e) * expert_stride;
+    return w;
+  }
+};
+
 struct LayerWeights {
   const float* attn_norm = nullptr;
   Weight wq, wk, wv, wo;
   const float *bq = nullptr, *bk = nullptr, *bv = nullptr;
   const float *q_norm = nullptr, *k_norm = nullptr;
   const float* ffn_norm = nullptr;
-  Weight w_gate, w_up, w_down;
+  Weight w_gate, w_up, w_down;          // dense FFN (absent in MoE layers)
+  // MoE FFN
+  bool moe = false;
+  Weight router;                        // [n_expert rows x n_embd]
+  const float* selection_bias = nullptr;  // exp_probs_b
+  ExpertWeight gate_exps, up_exps, down_exps;
+  Weight gate_shexp, up_shexp, down_shexp;  // shared expert (rows == 0: none)
+  const float* shexp_gate = nullptr;    // qwen2moe: sigmoid gate of the shared expert
+};
+
+// One matrix product of a batch: y[c * ldy + r] = W[r] . xq[c] for the rows of W.
+struct MatmulJob {
+  Weight w;
+  const uint8_t* xq;
+  size_t xq_stride;
+  int64_t ncols;
+  float* y;
+  int64_t ldy;
 };
 
 struct BatchToken {
@@ -45,6 +74,13 @@ class LlamaModel {
   const ModelConfig& config() const { return cfg_; }
   const GgufFile& file() const { return *file_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
+  // Tokens routed to each expert so far: [n_layer][n_expert] (zeros for dense layers).
+  const std::vector<std::vector<int64_t>>& expert_usage() const { return expert_usage_; }
+  void reset_expert_usage();
+  // When enabled, every MoE layer appends its chosen experts ([T][n_used] per forward) to
+  // routing_trace()[layer]: for checking routing against a reference, not for serving.
+  void set_routing_trace(bool on);
+  const std::vector<std::vector<int32_t>>& routing_trace() const { return trace_; }
 
   // Size scratch for batches of up to max_tokens tokens, sequences up to max_ctx positions.
   void reserve(int max_tokens, int64_t max_ctx, int n_threads);
@@ -57,11 +93,16 @@ class LlamaModel {
 
  private:
   Weight load_weight(const std::string& name, int64_t k, int64_t rows, bool required = true);
+  ExpertWeight load_experts(const std::string& name, int64_t k, int64_t rows, int64_t n_expert);
   const float* load_vector(const std::string& name, int64_t n, bool required = true);
-  void quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool);
+  void quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool,
+                     uint8_t* dst = nullptr);
   // y[c * ldy + r] for each weight in ws against the activations last quantized.
   void matmul(std::initializer_list<std::pair<const Weight*, float*>> ws, int64_t T,
               ThreadPool& pool);
+  // Runs every job in one parallel section (each thread takes a share of each job's rows).
+  void run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool);
+  void moe_ffn(int layer, int64_t T, ThreadPool& pool);  // xn_ -> adds into x_
   void rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const;
   void attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv,
                  ThreadPool& pool);
@@ -73,6 +114,7 @@ class LlamaModel {
   std::vector<LayerWeights> layers_;
   std::vector<std::vector<float>> owned_vectors_;  // norms stored as F16/BF16, converted once
   uint64_t weight_bytes_ = 0;
+  int64_t shexp_width_ = 0;  // widest shared expert FFN
 
   // scratch
   int max_tokens_ = 0;
@@ -81,6 +123,15 @@ class LlamaModel {
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, rope_cs_, scores_;
   std::vector<uint8_t> act_;
   size_t act_stride_ = 0;
+  // MoE scratch: router logits, routing, per-expert token lists, gathered activations.
+  std::vector<float> router_logits_, route_w_, route_scratch_, exp_gate_, exp_up_, exp_out_;
+  std::vector<int32_t> route_ids_, exp_count_, exp_offset_, exp_rows_;  // exp_rows_: token of each slot
+  std::vector<int32_t> slot_of_;        // [T * n_used] -> row in expert order
+  std::vector<uint8_t> exp_act_;
+  std::vector<MatmulJob> jobs_;
+  std::vector<std::vector<int64_t>> expert_usage_;
+  bool tracing_ = false;
+  std::vector<std::vector<int32_t>> trace_;
 };
 
 }  // namespace tf

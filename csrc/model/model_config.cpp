@@ -19,17 +19,23 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   c.arch = f.get_string("general.architecture");
   c.name = f.get_string("general.name", "");
   const std::string& a = c.arch;
-  if (a == "llama") {
+  bool default_norm_topk = false;
+  if (a == "llama") {  // also Mixtral-style llama with experts
     c.rope_neox = false;
-  } else if (a == "qwen2") {
+    default_norm_topk = true;
+  } else if (a == "qwen2" || a == "qwen2moe") {
     c.rope_neox = true;
     c.qkv_bias = true;
-  } else if (a == "qwen3") {
+  } else if (a == "qwen3" || a == "qwen3moe") {
     c.rope_neox = true;
     c.qk_norm = true;
+    default_norm_topk = a == "qwen3moe";
+  } else if (a == "deepseek2") {
+    fail(ErrorKind::Unsupported, f.path(), ": architecture 'deepseek2' needs multi-head latent attention (MLA), ",
+         "which TensorFold does not implement yet (its expert routing is supported)");
   } else {
     fail(ErrorKind::Unsupported, f.path(), ": architecture '", a,
-         "' is not supported (supported: llama, qwen2, qwen3)");
+         "' is not supported (supported: llama (incl. mixtral), qwen2, qwen3, qwen2moe, qwen3moe)");
   }
   auto key = [&](const char* k) { return a + "." + k; };
   c.n_embd = positive_int(f, key("embedding_length"), f.get_int(key("embedding_length")));
@@ -45,7 +51,36 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   const int64_t vdim = f.get_int(key("attention.value_length"), c.head_dim);
   if (vdim != c.head_dim)
     fail(ErrorKind::Unsupported, f.path(), ": value_length != key_length is not supported");
-  c.n_ff = positive_int(f, key("feed_forward_length"), f.get_int(key("feed_forward_length")));
+  c.n_expert = int(f.get_int(key("expert_count"), 0));
+  if (c.n_expert < 0 || c.n_expert > 4096)
+    fail(ErrorKind::InvalidInput, f.path(), ": ", key("expert_count"), " = ", c.n_expert, " is out of range");
+  // MoE models may have no dense FFN at all; feed_forward_length then only describes
+  // leading dense layers (if any).
+  c.n_ff = int(f.get_int(key("feed_forward_length"), 0));
+  if (c.n_ff < 0 || (!c.is_moe() && c.n_ff == 0))
+    fail(ErrorKind::InvalidInput, f.path(), ": ", key("feed_forward_length"), " is missing or invalid");
+  if (c.is_moe()) {
+    c.n_expert_used = positive_int(f, key("expert_used_count"), f.get_int(key("expert_used_count")), c.n_expert);
+    c.n_ff_exp = int(f.get_int(key("expert_feed_forward_length"), c.n_ff));
+    c.n_ff_exp = positive_int(f, key("expert_feed_forward_length"), c.n_ff_exp);
+    c.n_ff_shexp = int(f.get_int(key("expert_shared_feed_forward_length"), 0));
+    if (c.n_ff_shexp < 0) fail(ErrorKind::InvalidInput, f.path(), ": negative shared expert width");
+    c.router.n_expert = c.n_expert;
+    c.router.n_used = c.n_expert_used;
+    const int64_t gating = f.get_int(key("expert_gating_func"), 1);
+    if (gating != 1 && gating != 2)
+      fail(ErrorKind::Unsupported, f.path(), ": expert_gating_func ", gating, " is not supported");
+    c.router.gating = gating == 2 ? moe::Gating::Sigmoid : moe::Gating::Softmax;
+    c.router.norm_topk = f.get_bool(key("expert_weights_norm"), default_norm_topk);
+    c.router.scale = float(f.get_float(key("expert_weights_scale"), 1.0));
+    c.router.n_group = int(f.get_int(key("expert_group_count"), 1));
+    c.router.n_group_used = int(f.get_int(key("expert_group_used_count"), c.router.n_group));
+    try {
+      moe::validate(c.router);
+    } catch (const Error& e) {
+      fail(ErrorKind::InvalidInput, f.path(), ": invalid expert routing metadata: ", e.what());
+    }
+  }
   c.n_ctx_train = f.get_int(key("context_length"), 4096);
   c.rms_eps = float(f.get_float(key("attention.layer_norm_rms_epsilon"), 1e-6));
   c.rope_base = float(f.get_float(key("rope.freq_base"), 10000.0));
@@ -77,6 +112,9 @@ std::string ModelConfig::summary() const {
      << n_head << "/" << n_head_kv << " x " << head_dim << ", ffn " << n_ff << ", vocab " << n_vocab
      << ", rope " << (rope_neox ? "neox" : "norm") << " base " << rope_base
      << (tied_output ? ", tied output" : "");
+  if (is_moe())
+    os << ", " << n_expert << " experts (top-" << n_expert_used << ", width " << n_ff_exp << ")"
+       << (n_ff_shexp ? ", shared expert" : "");
   return os.str();
 }
 

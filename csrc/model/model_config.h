@@ -1,10 +1,12 @@
 // A decoder architecture described as data, read from GGUF metadata. Every supported
-// family (llama, qwen2, qwen3 dense) is one forward pass with these switches.
+// family (llama/mixtral, qwen2, qwen3, qwen2moe, qwen3moe) is one forward pass with these
+// switches.
 #pragma once
 #include <cstdint>
 #include <string>
 
 #include "gguf/gguf_reader.h"
+#include "moe/router.h"
 
 namespace tf {
 
@@ -27,6 +29,17 @@ struct ModelConfig {
   bool qkv_bias = false;     // qwen2
   bool qk_norm = false;      // qwen3: RMSNorm over each q/k head
   bool tied_output = false;  // LM head shares token_embd
+
+  // Mixture of experts (n_expert == 0: dense). Which layers are MoE is decided per layer by
+  // the presence of its router tensor (leading dense layers have none).
+  int n_expert = 0;
+  int n_expert_used = 0;
+  int n_ff_exp = 0;          // expert FFN width
+  int n_ff_shexp = 0;        // shared expert FFN width (0: none)
+  bool shared_expert_gate = false;  // qwen2moe: shared expert scaled by sigmoid(x . w)
+  moe::RouterConfig router;  // gating, top-k, normalisation, scale, groups
+
+  bool is_moe() const { return n_expert > 0; }
 
   static ModelConfig from_gguf(const GgufFile& f);
   std::string summary() const;

@@ -44,11 +44,13 @@ class Engine:
 
     threads: worker threads (default: all cores). kv_tokens: size of the paged KV pool in
     tokens (default: max(context, 4096)). context: per-sequence limit (default: the model's
-    trained context, at most 8192).
+    trained context, at most 8192). kv_type: "f16" (default, half the memory) or "f32" for
+    the KV cache. Engine.stats() reports token counts, timings and, for MoE models, the
+    tokens routed to each expert of each layer ("expert_usage").
     """
 
     def __init__(self, model: str, *, threads: int | None = None, kv_tokens: int | None = None,
-                 context: int | None = None, max_batch_tokens: int = 512):
+                 context: int | None = None, max_batch_tokens: int = 512, kv_type: str = "f16"):
         for name, v in (("threads", threads), ("kv_tokens", kv_tokens), ("context", context)):
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -57,7 +59,8 @@ class Engine:
         metadata = self._gguf.metadata()
         self.tokenizer = Tokenizer.from_gguf_metadata(metadata)
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
-        self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens)
+        self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
+                                  kv_type)
         if self._core.config["n_vocab"] < self.tokenizer.vocab_size:
             raise ValueError(
                 f"{self.path}: the tokenizer has {self.tokenizer.vocab_size} tokens but the "
@@ -93,6 +96,12 @@ class Engine:
         """float32 logits for every position of `ids`: shape [len(ids), vocab]."""
         with self._lock:
             return self._core.logits([int(i) for i in ids])
+
+    def routing(self, ids: list[int]) -> list[list[int]]:
+        """Experts chosen by each MoE layer for every position of `ids`:
+        [n_layer][len(ids) * top_k] (empty lists for dense layers)."""
+        with self._lock:
+            return self._core.routing([int(i) for i in ids])
 
     # -- generation -----------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

@@ -8,15 +8,17 @@
 namespace tf::cpu {
 
 struct PagedKv {
-  const uint16_t* k_base;   // K rows of page 0 of this (layer, kv head)
-  const uint16_t* v_base;   // V rows of page 0
+  const void* k_base;       // K rows of page 0 of this (layer, kv head)
+  const void* v_base;       // V rows of page 0
   size_t page_stride;       // elements between consecutive pages
   const int32_t* table;     // page ids of the sequence, in position order
   int block_size;
+  bool f32 = false;         // rows stored as float instead of half
 };
 
 // out[0..D) = softmax(q . K[0..n) * scale) . V[0..n). `scores` is scratch of n floats.
-// q and the probabilities are rounded to half, matching llama.cpp's F16 KV numerics.
+// With a half cache, q and the probabilities are rounded to half (llama.cpp's F16 KV
+// numerics); with a float cache everything stays in float.
 void paged_attention(const float* q, int head_dim, const PagedKv& kv, int64_t n, float scale,
                      float* scores, float* out);
 

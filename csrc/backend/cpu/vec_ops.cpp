@@ -44,8 +44,18 @@ void scale_scalar(int64_t n, float* y, float a) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
 }
 
-const VecOps kScalar = {dot_f32_f16_scalar, axpy_f16_scalar, f32_to_f16_scalar,
-                        exp_sub_sum_scalar, silu_mul_scalar, scale_scalar};
+float dot_f32_scalar(int64_t n, const float* a, const float* b) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy_f32_scalar(int64_t n, float alpha, const float* x, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+const VecOps kScalar = {dot_f32_f16_scalar, axpy_f16_scalar, f32_to_f16_scalar, exp_sub_sum_scalar,
+                        silu_mul_scalar,    scale_scalar,    dot_f32_scalar,    axpy_f32_scalar};
 
 }  // namespace
 

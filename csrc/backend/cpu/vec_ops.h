@@ -18,6 +18,9 @@ struct VecOps {
   void (*silu_mul)(int64_t n, const float* g, const float* u, float* out);
   // y[i] *= a
   void (*scale)(int64_t n, float* y, float a);
+  // f32 versions of dot / axpy (the F32 KV cache)
+  float (*dot_f32)(int64_t n, const float* a, const float* b);
+  void (*axpy_f32)(int64_t n, float alpha, const float* x, float* y);
 };
 
 const VecOps& vec_ops();

@@ -113,7 +113,29 @@ void scale(int64_t n, float* y, float a) {
   for (; i < n; ++i) y[i] *= a;
 }
 
-const VecOps kAvx512 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum, silu_mul, scale};
+float dot_f32(int64_t n, const float* a, const float* b) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+void axpy_f32(int64_t n, float alpha, const float* x, float* y) {
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+const VecOps kAvx512 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum, silu_mul, scale, dot_f32, axpy_f32};
 
 }  // namespace
 

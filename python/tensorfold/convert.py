@@ -1,0 +1,911 @@
+"""Hugging Face checkpoint directory → GGUF (``tensorfold convert``).
+
+Reads ``config.json``, the ``*.safetensors`` weights (one file, or shards listed in
+``model.safetensors.index.json``), ``tokenizer.json`` / ``tokenizer_config.json`` (and the
+optional ``generation_config.json`` / ``chat_template.jinja``) and writes one GGUF file that
+TensorFold and llama.cpp both load: llama.cpp's metadata keys, tensor names and layouts.
+
+Supported ``architectures[0]`` → ``general.architecture``:
+
+    LlamaForCausalLM    → llama       Qwen2ForCausalLM    → qwen2
+    MixtralForCausalLM  → llama       Qwen3ForCausalLM    → qwen3
+                                      Qwen2MoeForCausalLM → qwen2moe
+                                      Qwen3MoeForCausalLM → qwen3moe
+
+Memory stays bounded: the converter first plans every output tensor from the safetensors
+headers alone, writes the GGUF header, key/values and tensor table, then streams the tensor
+data one output tensor at a time (a stacked expert tensor holds one layer's experts of one
+projection). Source files are memory-mapped, never loaded whole.
+
+Layouts (facts of the GGUF convention):
+- arch ``llama`` uses llama.cpp's NORM rope, which rotates adjacent pairs (x[2i], x[2i+1]),
+  while Hugging Face checkpoints rotate halves (x[i], x[i + d/2]). The rows of the Q and K
+  projections are therefore reordered per head so that GGUF row 2i+j holds HF row j*d/2+i.
+  The qwen families use NEOX rope (halves), so their weights are copied unchanged.
+- routed experts are stacked per layer into one 3-D tensor per projection, numpy shape
+  ``[n_expert, rows, cols]`` (GGUF ne = cols, rows, n_expert).
+
+Tokenizer pre-type rule (``tokenizer.ggml.pre``), deciding from ``tokenizer.json``'s
+``pre_tokenizer`` first and from the architecture last:
+1. a Split regex with ``\\p{N}{1,3}`` (llama-3's digit groups)        → ``llama-bpe``
+2. a Split regex with ``\\p{L}+|\\p{N}|`` (Qwen2's single digits)    → ``qwen2``
+3. a ``Digits`` pre-tokenizer with ``individual_digits``             → ``smollm``
+4. only ``ByteLevel`` with its built-in (GPT-2) regex                → ``gpt-2``
+5. otherwise a Qwen architecture                                     → ``qwen2``
+6. anything else                                                     → ``default``
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+log = logging.getLogger("tensorfold.convert")
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+}
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+# GGML type ids (gguf.GGMLQuantizationType) and llama file types (gguf.LlamaFileType), kept
+# here as plain numbers so the module imports without the gguf package.
+_GGML_F32, _GGML_F16, _GGML_Q8_0, _GGML_BF16 = 0, 1, 8, 30
+_FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
+_TYPE_NAME = {_GGML_F32: "F32", _GGML_F16: "F16", _GGML_Q8_0: "Q8_0", _GGML_BF16: "BF16"}
+
+# token types (gguf.TokenType)
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+
+class ConvertError(ValueError):
+    """The input directory cannot be converted; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------------------
+# safetensors access
+
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": None}
+
+
+class _Source:
+    """Name → file index over the checkpoint's safetensors files, with lazy, mmapped reads."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        index_path = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.isfile(index_path):
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConvertError(f"{index_path}: no 'weight_map' in the index")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+            if not files:
+                if any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(hf_dir)):
+                    raise ConvertError(
+                        f"{hf_dir}: only PyTorch pickle weights (*.bin) found; re-save the model with "
+                        "save_pretrained(..., safe_serialization=True) to get *.safetensors")
+                raise ConvertError(f"{hf_dir}: no *.safetensors weights found")
+        self.files = [os.path.join(hf_dir, n) for n in files]
+        self.file_of: dict[str, int] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.dtype: dict[str, str] = {}
+        self._handles: dict[int, Any] = {}
+        self._headers: dict[int, tuple[int, dict]] = {}
+        for i, path in enumerate(self.files):
+            if not os.path.isfile(path):
+                raise ConvertError(f"shard {path} listed in the index is missing")
+            h = self._handle(i)
+            for name in h.keys():
+                if name in self.file_of:
+                    raise ConvertError(f"tensor {name} appears in two shards")
+                sl = h.get_slice(name)
+                self.file_of[name] = i
+                self.shape[name] = tuple(int(d) for d in sl.get_shape())
+                self.dtype[name] = str(sl.get_dtype())
+
+    def _handle(self, i: int):
+        h = self._handles.get(i)
+        if h is None:
+            try:
+                h = self._safe_open(self.files[i], framework="numpy")
+            except Exception as e:  # corrupt header, not a safetensors file, …
+                raise ConvertError(f"{self.files[i]}: cannot read safetensors file: {e}") from e
+            self._handles[i] = h
+        return h
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def names(self) -> Iterable[str]:
+        return self.file_of.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as float32 (a fresh array; the file stays mapped, not loaded)."""
+        if name not in self.file_of:
+            raise ConvertError(f"tensor {name} is missing from the checkpoint")
+        dt = self.dtype[name]
+        if dt not in _ST_DTYPES:
+            raise ConvertError(f"tensor {name} has dtype {dt}; only F32/F16/BF16/F64 checkpoints are supported")
+        i = self.file_of[name]
+        if dt == "BF16":
+            return self._read_bf16(i, name)
+        return np.asarray(self._handle(i).get_tensor(name), dtype=np.float32)
+
+    def _read_bf16(self, i: int, name: str) -> np.ndarray:
+        # numpy has no bfloat16: read the raw 16-bit words through the file's own header and
+        # widen them (bf16 is the top half of an f32).
+        path = self.files[i]
+        if i not in self._headers:
+            with open(path, "rb") as f:
+                (hlen,) = np.frombuffer(f.read(8), dtype="<u8")
+                self._headers[i] = (int(hlen), json.loads(f.read(int(hlen))))
+        hlen, header = self._headers[i]
+        info = header[name]
+        start, end = (int(x) for x in info["data_offsets"])
+        shape = tuple(int(d) for d in info["shape"])
+        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if end - start != 2 * n:
+            raise ConvertError(f"{path}: tensor {name} has inconsistent data offsets")
+        words = np.memmap(path, dtype="<u2", mode="r", offset=8 + int(hlen) + start, shape=(n,))
+        out = (words.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        del words
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+# --------------------------------------------------------------------------------------
+# hyper-parameters
+
+
+def _read_json(path: str, what: str, required: bool = True) -> dict | None:
+    if not os.path.isfile(path):
+        if required:
+            raise ConvertError(f"{what} not found: {path}")
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: cannot parse {what}: {e}") from e
+    if not isinstance(d, dict):
+        raise ConvertError(f"{path}: {what} is not a JSON object")
+    return d
+
+
+@dataclass
+class _Params:
+    hf_arch: str
+    arch: str
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx: int
+    rms_eps: float
+    rope_base: float
+    rope_scaling: tuple[str, float] | None  # ("linear", factor)
+    tied: bool | None  # None: decide from the weights
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    norm_topk: bool = False
+    attn_bias: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+
+def _int(cfg: dict, key: str, *alts: str, default: int | None = None) -> int:
+    for k in (key, *alts):
+        v = cfg.get(k)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConvertError(f"config.json: {k} = {v!r} is not a positive integer")
+            return v
+    if default is None:
+        raise ConvertError(f"config.json: required field '{key}' is missing")
+    return default
+
+
+def _rope(cfg: dict) -> tuple[float, tuple[str, float] | None]:
+    """rope base and scaling from either the transformers-4 keys (rope_theta, rope_scaling)
+    or the transformers-5 rope_parameters dict."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ("rope_theta" in params or "rope_type" in params):
+        base = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = params
+    else:
+        base = cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling")
+    if not isinstance(base, (int, float)) or base <= 0:
+        raise ConvertError(f"config.json: rope_theta = {base!r} is invalid")
+    if not scaling:
+        return float(base), None
+    if not isinstance(scaling, dict):
+        raise ConvertError(f"config.json: rope scaling {scaling!r} is not understood")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default", "none"):
+        return float(base), None
+    if kind == "linear":
+        factor = scaling.get("factor")
+        if not isinstance(factor, (int, float)) or factor <= 0:
+            raise ConvertError(f"config.json: linear rope scaling needs a positive factor, got {factor!r}")
+        if factor == 1:
+            return float(base), None
+        return float(base), ("linear", float(factor))
+    raise ConvertError(
+        f"config.json: rope scaling type '{kind}' cannot be represented by TensorFold yet "
+        "(supported: none, linear)")
+
+
+def _params(cfg: dict) -> _Params:
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ConvertError(
+            "config.json has no 'architectures' list; supported architectures: " + ", ".join(ARCHITECTURES))
+    hf_arch = archs[0]
+    if hf_arch not in ARCHITECTURES:
+        raise ConvertError(
+            f"unsupported architecture '{hf_arch}'; supported: " + ", ".join(ARCHITECTURES))
+    arch = ARCHITECTURES[hf_arch]
+
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ConvertError(f"config.json: hidden_act '{act}' is not supported (only silu / SwiGLU)")
+    n_embd = _int(cfg, "hidden_size")
+    n_head = _int(cfg, "num_attention_heads")
+    n_head_kv = _int(cfg, "num_key_value_heads", default=n_head)
+    if n_head % n_head_kv:
+        raise ConvertError(f"config.json: num_attention_heads {n_head} is not a multiple of "
+                           f"num_key_value_heads {n_head_kv}")
+    if cfg.get("head_dim") is not None:
+        head_dim = _int(cfg, "head_dim")
+    elif n_embd % n_head == 0:
+        head_dim = n_embd // n_head
+    else:
+        raise ConvertError(f"config.json: hidden_size {n_embd} is not a multiple of num_attention_heads "
+                           f"{n_head} and head_dim is not given")
+    if head_dim % 2:
+        raise ConvertError(f"config.json: head_dim {head_dim} must be even for rope")
+    prf = cfg.get("partial_rotary_factor", 1.0)
+    if prf not in (None, 1, 1.0):
+        raise ConvertError(f"config.json: partial_rotary_factor {prf} is not supported")
+
+    # sliding-window attention is not representable: refuse it when it is actually in use
+    if cfg.get("use_sliding_window") is True:
+        raise ConvertError("config.json: use_sliding_window is true; sliding-window attention is not supported")
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
+        raise ConvertError(f"config.json: layer_types {sorted(set(layer_types))} include non-full attention, "
+                           "which is not supported")
+    n_ctx = _int(cfg, "max_position_embeddings", default=4096)
+    sw = cfg.get("sliding_window")
+    if hf_arch in ("MixtralForCausalLM", "LlamaForCausalLM") and isinstance(sw, int) and 0 < sw < n_ctx:
+        raise ConvertError(f"config.json: sliding_window {sw} < max_position_embeddings {n_ctx}; "
+                           "sliding-window attention is not supported")
+
+    attn_bias = bool(cfg.get("attention_bias", False))
+    if arch in ("qwen2", "qwen2moe"):
+        attn_bias = bool(cfg.get("qkv_bias", True)) if arch == "qwen2moe" else True
+    elif attn_bias:
+        raise ConvertError(f"config.json: attention_bias is true; {arch} in TensorFold has no Q/K/V biases")
+    if cfg.get("mlp_bias"):
+        raise ConvertError("config.json: mlp_bias is true; MLP biases are not supported")
+
+    base, scaling = _rope(cfg)
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or not (0 < eps < 1):
+        raise ConvertError(f"config.json: rms_norm_eps {eps!r} is invalid")
+    tied = cfg.get("tie_word_embeddings")
+    p = _Params(
+        hf_arch=hf_arch, arch=arch, n_embd=n_embd, n_layer=_int(cfg, "num_hidden_layers"),
+        n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        n_ff=_int(cfg, "intermediate_size"), n_vocab=_int(cfg, "vocab_size"), n_ctx=n_ctx,
+        rms_eps=float(eps), rope_base=base, rope_scaling=scaling,
+        tied=None if tied is None else bool(tied), attn_bias=attn_bias,
+    )
+    if hf_arch == "MixtralForCausalLM":
+        p.n_expert = _int(cfg, "num_local_experts", "num_experts")
+        p.n_expert_used = _int(cfg, "num_experts_per_tok")
+        p.n_ff_exp = p.n_ff
+        p.norm_topk = True  # Mixtral always renormalises its top-k softmax weights
+    elif arch in ("qwen2moe", "qwen3moe"):
+        p.n_expert = _int(cfg, "num_experts", "num_local_experts")
+        p.n_expert_used = _int(cfg, "num_experts_per_tok")
+        p.n_ff_exp = _int(cfg, "moe_intermediate_size")
+        p.norm_topk = bool(cfg.get("norm_topk_prob", False))
+        step = cfg.get("decoder_sparse_step", 1)
+        if step != 1:
+            raise ConvertError(f"config.json: decoder_sparse_step = {step}; only every-layer MoE (1) is supported")
+        if cfg.get("mlp_only_layers"):
+            raise ConvertError(f"config.json: mlp_only_layers = {cfg['mlp_only_layers']}; "
+                               "mixed dense/MoE layers are not supported")
+        if arch == "qwen2moe":
+            p.n_ff_shexp = _int(cfg, "shared_expert_intermediate_size")
+    if p.is_moe and p.n_expert_used > p.n_expert:
+        raise ConvertError(f"config.json: num_experts_per_tok {p.n_expert_used} > number of experts {p.n_expert}")
+    return p
+
+
+# --------------------------------------------------------------------------------------
+# tensor plan
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Reorder the rows of a Q or K projection (or bias) from Hugging Face's rotate-half
+    layout to the adjacent-pair layout of llama.cpp's NORM rope: within each head of size d,
+    output row 2*i + j is input row j*d/2 + i (i < d/2, j in {0, 1})."""
+    rows = w.shape[0]
+    d = rows // n_head
+    rest = w.shape[1:]
+    return w.reshape(n_head, 2, d // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+@dataclass
+class _Out:
+    name: str
+    shape: tuple[int, ...]          # numpy order
+    sources: list[str]
+    make: Callable[[list[np.ndarray]], np.ndarray]
+    keep_f32: bool = False          # norms, biases, routers
+    ggml_type: int = _GGML_F32
+    nbytes: int = 0
+    note: str = ""
+    order: tuple = field(default_factory=tuple)
+
+
+def _one(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0]
+
+
+def _stack(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.stack(arrays, axis=0)
+
+
+def _plan(p: _Params, src: _Source) -> list[_Out]:
+    outs: list[_Out] = []
+    used: set[str] = set()
+
+    def shape_of(name: str) -> tuple[int, ...]:
+        if name not in src:
+            raise ConvertError(f"tensor {name} is missing from the checkpoint")
+        return src.shape[name]
+
+    def expect(name: str, shape: tuple[int, ...]) -> None:
+        got = shape_of(name)
+        if got != shape:
+            raise ConvertError(f"tensor {name} has shape {list(got)}, expected {list(shape)} from config.json")
+
+    def add(gname: str, hname: str, shape: tuple[int, ...], keep_f32=False, make=_one) -> None:
+        expect(hname, shape)
+        used.add(hname)
+        outs.append(_Out(gname, shape, [hname], make, keep_f32))
+
+    def add_stack(gname: str, hnames: list[str], shape: tuple[int, ...]) -> None:
+        for h in hnames:
+            expect(h, shape)
+            used.add(h)
+        outs.append(_Out(gname, (len(hnames), *shape), hnames, _stack))
+
+    def add_fused(gname: str, hname: str, shape: tuple[int, ...], part: slice | None) -> None:
+        # transformers-5 fused expert tensors: gate_up_proj [E, 2*ff, embd], down_proj [E, embd, ff]
+        used.add(hname)
+        full = shape_of(hname)
+        if part is None:
+            if full != shape:
+                raise ConvertError(f"tensor {hname} has shape {list(full)}, expected {list(shape)}")
+            outs.append(_Out(gname, shape, [hname], _one))
+        else:
+            want = (shape[0], 2 * shape[1], shape[2])
+            if full != want:
+                raise ConvertError(f"tensor {hname} has shape {list(full)}, expected {list(want)}")
+            outs.append(_Out(gname, shape, [hname], lambda a, s=part: np.ascontiguousarray(a[0][:, s, :])))
+
+    E, H, V = p.n_embd, p.n_embd, p.n_vocab
+    add("token_embd.weight", "model.embed_tokens.weight", (V, E))
+    q_rows, kv_rows = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+    norm_rope = p.arch == "llama"
+    for i in range(p.n_layer):
+        hf = f"model.layers.{i}"
+        b = f"blk.{i}"
+        add(f"{b}.attn_norm.weight", f"{hf}.input_layernorm.weight", (E,), True)
+        for g, h, rows, nh in (("attn_q", "q_proj", q_rows, p.n_head),
+                               ("attn_k", "k_proj", kv_rows, p.n_head_kv),
+                               ("attn_v", "v_proj", kv_rows, 0)):
+            perm = (lambda a, n=nh: permute_qk(a[0], n)) if (norm_rope and nh) else _one
+            add(f"{b}.{g}.weight", f"{hf}.self_attn.{h}.weight", (rows, H), make=perm)
+            if p.attn_bias:
+                add(f"{b}.{g}.bias", f"{hf}.self_attn.{h}.bias", (rows,), True)
+            elif f"{hf}.self_attn.{h}.bias" in src:
+                raise ConvertError(f"tensor {hf}.self_attn.{h}.bias present but {p.arch} has no attention biases")
+        add(f"{b}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (H, q_rows))
+        if p.arch in ("qwen3", "qwen3moe"):
+            add(f"{b}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", (p.head_dim,), True)
+            add(f"{b}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", (p.head_dim,), True)
+        add(f"{b}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (E,), True)
+
+        if not p.is_moe:
+            add(f"{b}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (p.n_ff, E))
+            add(f"{b}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (p.n_ff, E))
+            add(f"{b}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (E, p.n_ff))
+            continue
+
+        moe = f"{hf}.block_sparse_moe" if p.hf_arch == "MixtralForCausalLM" else f"{hf}.mlp"
+        if p.hf_arch == "MixtralForCausalLM" and f"{moe}.gate.weight" not in src and f"{hf}.mlp.gate.weight" in src:
+            moe = f"{hf}.mlp"
+        router = f"{moe}.gate.weight" if f"{moe}.gate.weight" in src else f"{moe}.router.weight"
+        add(f"{b}.ffn_gate_inp.weight", router, (p.n_expert, E), True)
+        F, n = p.n_ff_exp, p.n_expert
+        if f"{moe}.experts.gate_up_proj" in src:  # fused (transformers 5 in-memory layout)
+            add_fused(f"{b}.ffn_gate_exps.weight", f"{moe}.experts.gate_up_proj", (n, F, E), slice(0, F))
+            add_fused(f"{b}.ffn_up_exps.weight", f"{moe}.experts.gate_up_proj", (n, F, E), slice(F, 2 * F))
+            add_fused(f"{b}.ffn_down_exps.weight", f"{moe}.experts.down_proj", (n, E, F), None)
+        else:
+            if p.hf_arch == "MixtralForCausalLM" and f"{moe}.experts.0.w1.weight" in src:
+                gate, up, down = "w1", "w3", "w2"
+            else:
+                gate, up, down = "gate_proj", "up_proj", "down_proj"
+            ex = [f"{moe}.experts.{e}" for e in range(n)]
+            add_stack(f"{b}.ffn_gate_exps.weight", [f"{x}.{gate}.weight" for x in ex], (F, E))
+            add_stack(f"{b}.ffn_up_exps.weight", [f"{x}.{up}.weight" for x in ex], (F, E))
+            add_stack(f"{b}.ffn_down_exps.weight", [f"{x}.{down}.weight" for x in ex], (E, F))
+        if p.arch == "qwen2moe":
+            S = p.n_ff_shexp
+            add(f"{b}.ffn_gate_inp_shexp.weight", f"{moe}.shared_expert_gate.weight", (1, E), True)
+            add(f"{b}.ffn_gate_shexp.weight", f"{moe}.shared_expert.gate_proj.weight", (S, E))
+            add(f"{b}.ffn_up_shexp.weight", f"{moe}.shared_expert.up_proj.weight", (S, E))
+            add(f"{b}.ffn_down_shexp.weight", f"{moe}.shared_expert.down_proj.weight", (E, S))
+
+    add("output_norm.weight", "model.norm.weight", (E,), True)
+    has_head = "lm_head.weight" in src
+    tied = p.tied if p.tied is not None else not has_head
+    if not tied:
+        if not has_head:
+            raise ConvertError("tie_word_embeddings is false but lm_head.weight is missing from the checkpoint")
+        add("output.weight", "lm_head.weight", (V, E))
+    elif has_head:
+        # tied, yet a separate head was saved: accept it only if it really is the embedding
+        expect("lm_head.weight", (V, E))
+        if not np.array_equal(src.get("lm_head.weight"), src.get("model.embed_tokens.weight")):
+            raise ConvertError("tie_word_embeddings is true but lm_head.weight differs from "
+                               "model.embed_tokens.weight; fix config.json")
+        used.add("lm_head.weight")
+    p.tied = tied
+
+    ignorable = re.compile(r"(rotary_emb\.inv_freq|\.e_score_correction_bias)$")
+    left = sorted(n for n in src.names() if n not in used and not ignorable.search(n))
+    if left:
+        more = f" (and {len(left) - 5} more)" if len(left) > 5 else ""
+        raise ConvertError(f"the checkpoint has tensors this converter does not map: {', '.join(left[:5])}{more}; "
+                           "the model is not a plain " + p.hf_arch)
+    # read roughly shard by shard: order by the first shard each output tensor needs
+    for k, o in enumerate(outs):
+        o.order = (min(src.file_of[s] for s in o.sources), k)
+    outs.sort(key=lambda o: o.order)
+    return outs
+
+
+def _choose_types(outs: list[_Out], outtype: str) -> None:
+    from gguf.quants import quant_shape_to_byte_shape
+    from gguf import GGMLQuantizationType as Q
+
+    for o in outs:
+        if o.keep_f32 or len(o.shape) == 1 or outtype == "f32":
+            t = _GGML_F32
+        elif outtype == "f16":
+            t = _GGML_F16
+        elif outtype == "bf16":
+            t = _GGML_BF16
+        else:
+            if o.shape[-1] % 32 == 0:
+                t = _GGML_Q8_0
+            else:
+                t = _GGML_F16
+                o.note = f"row length {o.shape[-1]} is not a multiple of 32: stored as F16 instead of Q8_0"
+        o.ggml_type = t
+        n = int(np.prod(o.shape))
+        if t == _GGML_F32:
+            o.nbytes = 4 * n
+        elif t in (_GGML_F16, _GGML_BF16):
+            o.nbytes = 2 * n
+        else:
+            o.nbytes = int(np.prod(quant_shape_to_byte_shape(o.shape, Q(t))))
+
+
+def _encode(arr: np.ndarray, t: int) -> np.ndarray:
+    if t == _GGML_F32:
+        return np.ascontiguousarray(arr, dtype=np.float32)
+    if t == _GGML_F16:
+        return np.ascontiguousarray(arr, dtype=np.float16)
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    return quantize(np.ascontiguousarray(arr, dtype=np.float32), Q(t))
+
+
+# --------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _token_content(tok: Any) -> str | None:
+    if isinstance(tok, str):
+        return tok
+    if isinstance(tok, dict) and isinstance(tok.get("content"), str):
+        return tok["content"]
+    return None
+
+
+def _walk_pre(pre: Any) -> list[dict]:
+    if not isinstance(pre, dict):
+        return []
+    if pre.get("type") == "Sequence":
+        out: list[dict] = []
+        for x in pre.get("pretokenizers", []):
+            out += _walk_pre(x)
+        return out
+    return [pre]
+
+
+def choose_pre(arch: str, tok: dict) -> str:
+    """``tokenizer.ggml.pre`` by the rule in the module docstring."""
+    steps = _walk_pre(tok.get("pre_tokenizer"))
+    for s in steps:
+        if s.get("type") == "Split":
+            pattern = s.get("pattern")
+            regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+            if isinstance(regex, str) and r"\p{N}{1,3}" in regex:
+                return "llama-bpe"
+            if isinstance(regex, str) and r"\p{L}+|\p{N}|" in regex:
+                return "qwen2"
+    if any(s.get("type") == "Digits" and s.get("individual_digits") for s in steps):
+        return "smollm"
+    if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex", True):
+        return "gpt-2"
+    return "qwen2" if arch.startswith("qwen") else "default"
+
+
+def _tokenizer_kv(hf_dir: str, p: _Params, cfg: dict) -> list[tuple[str, str, Any]]:
+    tj_path = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.isfile(tj_path):
+        if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
+            raise ConvertError(f"{hf_dir}: SentencePiece vocabularies (tokenizer.model) are not supported yet; "
+                               "a byte-level BPE tokenizer.json is required")
+        raise ConvertError(f"tokenizer.json not found in {hf_dir} (a byte-level BPE tokenizer.json is required)")
+    tok = _read_json(tj_path, "tokenizer.json")
+    model = tok.get("model") or {}
+    if model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise ConvertError(f"{tj_path}: tokenizer model '{model.get('type')}' is not supported yet "
+                           "(only byte-level BPE)")
+    byte_level = any(s.get("type") == "ByteLevel" for s in _walk_pre(tok.get("pre_tokenizer")))
+    dec = tok.get("decoder") or {}
+    byte_level = byte_level or dec.get("type") == "ByteLevel" or any(
+        d.get("type") == "ByteLevel" for d in dec.get("decoders", []) if isinstance(d, dict))
+    if not byte_level:
+        raise ConvertError(f"{tj_path}: a BPE tokenizer without ByteLevel pre-tokenization "
+                           "(SentencePiece-style) is not supported yet")
+    tcfg = _read_json(os.path.join(hf_dir, "tokenizer_config.json"), "tokenizer_config.json", required=False) or {}
+    gcfg = _read_json(os.path.join(hf_dir, "generation_config.json"), "generation_config.json", required=False) or {}
+
+    vocab: dict[str, int] = model["vocab"]
+    id_to_tok: dict[int, str] = {}
+    types: dict[int, int] = {}
+    for t, i in vocab.items():
+        if not isinstance(i, int) or i < 0:
+            raise ConvertError(f"{tj_path}: token {t!r} has an invalid id {i!r}")
+        id_to_tok[i] = t
+        types[i] = TOKEN_NORMAL
+    for at in tok.get("added_tokens") or []:
+        i, c = at.get("id"), at.get("content")
+        if not isinstance(i, int) or i < 0 or not isinstance(c, str):
+            raise ConvertError(f"{tj_path}: invalid added token {at!r}")
+        id_to_tok[i] = c
+        types[i] = TOKEN_CONTROL if at.get("special") else TOKEN_USER_DEFINED
+    n_tok = max(id_to_tok) + 1
+    if n_tok > p.n_vocab:
+        raise ConvertError(f"tokenizer has token id {n_tok - 1} but the model's vocab_size is {p.n_vocab}")
+    tokens, ttypes = [], []
+    for i in range(p.n_vocab):  # pad to the embedding size (gaps and tail are unused slots)
+        if i in id_to_tok:
+            tokens.append(id_to_tok[i])
+            ttypes.append(types[i])
+        else:
+            tokens.append(f"[PAD{i}]")
+            ttypes.append(TOKEN_UNUSED)
+    text_to_id = {t: i for i, t in enumerate(tokens)}
+
+    merges = []
+    for m in model.get("merges") or []:
+        if isinstance(m, str):
+            merges.append(m)
+        elif isinstance(m, (list, tuple)) and len(m) == 2 and all(isinstance(x, str) for x in m):
+            merges.append(f"{m[0]} {m[1]}")
+        else:
+            raise ConvertError(f"{tj_path}: invalid merge {m!r}")
+
+    def special_id(name: str) -> int | None:
+        c = _token_content(tcfg.get(f"{name}_token"))
+        if c is not None:
+            if c not in text_to_id:
+                raise ConvertError(f"tokenizer_config.json: {name}_token {c!r} is not in the vocabulary")
+            return text_to_id[c]
+        for src in (cfg, gcfg):
+            v = src.get(f"{name}_token_id")
+            if isinstance(v, list):
+                v = v[0] if v else None
+            if isinstance(v, int) and 0 <= v < p.n_vocab:
+                return v
+        return None
+
+    kv: list[tuple[str, str, Any]] = [
+        ("tokenizer.ggml.model", "str", "gpt2"),
+        ("tokenizer.ggml.pre", "str", choose_pre(p.arch, tok)),
+        ("tokenizer.ggml.tokens", "arr", tokens),
+        ("tokenizer.ggml.token_type", "arr_i32", ttypes),
+        ("tokenizer.ggml.merges", "arr", merges),
+    ]
+    bos = special_id("bos")
+    for name, v in (("bos", bos), ("eos", special_id("eos")), ("padding", special_id("pad"))):
+        if v is not None:
+            kv.append((f"tokenizer.ggml.{name}_token_id", "u32", v))
+
+    add_bos = tcfg.get("add_bos_token")
+    if not isinstance(add_bos, bool):
+        add_bos = _post_processor_adds_bos(tok, bos, tokens)
+        if add_bos is None:
+            # no explicit setting: Qwen templates expect no BOS, llama-3 style ones do
+            add_bos = (not p.arch.startswith("qwen")) and bos is not None
+    kv.append(("tokenizer.ggml.add_bos_token", "bool", bool(add_bos)))
+    if isinstance(tcfg.get("add_eos_token"), bool):
+        kv.append(("tokenizer.ggml.add_eos_token", "bool", tcfg["add_eos_token"]))
+
+    template = _chat_template(hf_dir, tcfg)
+    if template:
+        kv.append(("tokenizer.chat_template", "str", template))
+    return kv
+
+
+def _post_processor_adds_bos(tok: dict, bos: int | None, tokens: list[str]) -> bool | None:
+    """True/False when tokenizer.json's TemplateProcessing decides it, else None."""
+    pp = tok.get("post_processor")
+    if not isinstance(pp, dict):
+        return None
+    procs = pp.get("processors", []) if pp.get("type") == "Sequence" else [pp]
+    for x in procs:
+        if isinstance(x, dict) and x.get("type") == "TemplateProcessing":
+            single = x.get("single") or []
+            first = single[0] if single else {}
+            sp = first.get("SpecialToken") if isinstance(first, dict) else None
+            return bool(sp and bos is not None and sp.get("id") == tokens[bos])
+    return None
+
+
+def _chat_template(hf_dir: str, tcfg: dict) -> str | None:
+    t = tcfg.get("chat_template")
+    if isinstance(t, list):  # named templates: use "default"
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        t = named.get("default") or next(iter(named.values()), None)
+    if isinstance(t, str) and t:
+        return t
+    path = os.path.join(hf_dir, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    j = _read_json(os.path.join(hf_dir, "chat_template.json"), "chat_template.json", required=False)
+    if j and isinstance(j.get("chat_template"), str):
+        return j["chat_template"]
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# model metadata
+
+
+def _model_kv(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]:
+    a = p.arch
+    kv: list[tuple[str, str, Any]] = [
+        ("general.name", "str", name),
+        ("general.file_type", "u32", _FILE_TYPE[outtype]),
+        (f"{a}.vocab_size", "u32", p.n_vocab),
+        (f"{a}.context_length", "u32", p.n_ctx),
+        (f"{a}.embedding_length", "u32", p.n_embd),
+        (f"{a}.block_count", "u32", p.n_layer),
+        (f"{a}.feed_forward_length", "u32", p.n_ff),
+        (f"{a}.attention.head_count", "u32", p.n_head),
+        (f"{a}.attention.head_count_kv", "u32", p.n_head_kv),
+        (f"{a}.attention.layer_norm_rms_epsilon", "f32", p.rms_eps),
+        (f"{a}.rope.freq_base", "f32", p.rope_base),
+        (f"{a}.rope.dimension_count", "u32", p.head_dim),
+    ]
+    if p.head_dim * p.n_head != p.n_embd:
+        kv += [(f"{a}.attention.key_length", "u32", p.head_dim),
+               (f"{a}.attention.value_length", "u32", p.head_dim)]
+    if p.rope_scaling:
+        kv += [(f"{a}.rope.scaling.type", "str", p.rope_scaling[0]),
+               (f"{a}.rope.scaling.factor", "f32", p.rope_scaling[1])]
+    if p.is_moe:
+        kv += [(f"{a}.expert_count", "u32", p.n_expert),
+               (f"{a}.expert_used_count", "u32", p.n_expert_used),
+               (f"{a}.expert_weights_norm", "bool", p.norm_topk)]
+        if a in ("qwen2moe", "qwen3moe"):
+            kv.append((f"{a}.expert_feed_forward_length", "u32", p.n_ff_exp))
+        if a == "qwen2moe":
+            kv.append((f"{a}.expert_shared_feed_forward_length", "u32", p.n_ff_shexp))
+    return kv
+
+
+def _apply_kv(writer, kv: list[tuple[str, str, Any]]) -> None:
+    from gguf import GGUFValueType as T
+
+    for key, kind, val in kv:
+        if kind == "str":
+            writer.add_string(key, val)
+        elif kind == "u32":
+            writer.add_uint32(key, int(val))
+        elif kind == "f32":
+            writer.add_float32(key, float(val))
+        elif kind == "bool":
+            writer.add_bool(key, bool(val))
+        elif kind == "arr":
+            writer.add_array(key, val)
+        elif kind == "arr_i32":
+            writer.add_key_value(key, list(val), T.ARRAY, sub_type=T.INT32)
+        else:  # pragma: no cover
+            raise AssertionError(kind)
+
+
+# --------------------------------------------------------------------------------------
+# entry points
+
+
+def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool = True) -> str:
+    """Convert the Hugging Face checkpoint directory ``hf_dir`` into the GGUF ``out_path``.
+
+    ``outtype`` is the type of the 2-D/3-D weights: ``f32``, ``f16`` (default), ``bf16`` or
+    ``q8_0`` (tensors whose rows are not a multiple of 32 fall back to F16). Norms, biases
+    and routers always stay F32. Returns ``out_path``. Raises :class:`ConvertError` with a
+    clear message for inputs it cannot convert.
+    """
+    try:
+        import gguf
+    except ImportError as e:
+        raise ConvertError("the converter needs the 'gguf' package: pip install gguf") from e
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    hf_dir = os.fspath(hf_dir)
+    out_path = os.fspath(out_path)
+    if not os.path.isdir(hf_dir):
+        raise ConvertError(f"{hf_dir} is not a directory (expected a Hugging Face checkpoint directory)")
+    cfg = _read_json(os.path.join(hf_dir, "config.json"), "config.json")
+    p = _params(cfg)
+    tok_kv = _tokenizer_kv(hf_dir, p, cfg)
+    src = _Source(hf_dir)
+    tmp_path = out_path + ".part"
+    writer = None
+    try:
+        outs = _plan(p, src)
+        _choose_types(outs, outtype)
+        name = cfg.get("_name_or_path") or os.path.basename(os.path.normpath(hf_dir)) or p.hf_arch
+        name = os.path.basename(str(name).rstrip("/")) or p.hf_arch
+
+        writer = gguf.GGUFWriter(tmp_path, p.arch)
+        _apply_kv(writer, _model_kv(p, name, outtype))
+        _apply_kv(writer, tok_kv)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for o in outs:
+            raw = None if o.ggml_type in (_GGML_F32, _GGML_F16) else gguf.GGMLQuantizationType(o.ggml_type)
+            dt = np.float16 if o.ggml_type == _GGML_F16 else np.float32
+            writer.add_tensor_info(o.name, o.shape, np.dtype(dt), o.nbytes, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+
+        log.info("%s (%s) → %s: %d tensors, %s", hf_dir, p.hf_arch, out_path, len(outs), outtype)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(outs), desc="convert", unit="tensor", file=sys.stderr)
+        try:
+            for o in outs:
+                if o.note:
+                    msg = f"{o.name}: {o.note}"
+                    log.warning(msg)
+                    if bar is not None:
+                        bar.write(msg, file=sys.stderr)
+                    elif progress:
+                        print(msg, file=sys.stderr)
+                arr = o.make([src.get(s) for s in o.sources])
+                if arr.shape != o.shape:  # pragma: no cover - guarded by the plan
+                    raise ConvertError(f"{o.name}: produced shape {arr.shape}, planned {o.shape}")
+                data = _encode(arr, o.ggml_type)
+                del arr
+                writer.write_tensor_data(data)
+                del data
+                if bar is not None:
+                    bar.set_postfix_str(o.name, refresh=False)
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        writer.close()
+        writer = None
+        os.replace(tmp_path, out_path)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
+    finally:
+        src.close()
+    return out_path
+
+
+def _cmd(a: argparse.Namespace) -> int:
+    out = a.output
+    if out is None:
+        out = os.path.join(a.hf_dir.rstrip("/") or ".", f"model-{a.outtype}.gguf")
+    if os.path.exists(out) and not a.force:
+        print(f"error: {out} exists (use --force to overwrite)", file=sys.stderr)
+        return 2
+    try:
+        convert(a.hf_dir, out, a.outtype, progress=not a.quiet)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``tensorfold convert`` on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a Hugging Face safetensors checkpoint directory to GGUF",
+        description=(
+            "Convert a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json, "
+            "tokenizer_config.json) into one GGUF file that TensorFold and llama.cpp load. Supported "
+            "architectures: " + ", ".join(f"{k} ({v})" for k, v in ARCHITECTURES.items()) + ". "
+            "Weights are streamed one tensor at a time, so memory stays bounded."),
+    )
+    p.add_argument("hf_dir", help="Hugging Face model directory")
+    p.add_argument("-o", "--output", default=None,
+                   help="output .gguf path (default: HF_DIR/model-OUTTYPE.gguf)")
+    p.add_argument("--outtype", choices=OUTTYPES, default="f16",
+                   help="type of the 2-D/3-D weights (default f16); norms, biases and routers stay f32; "
+                        "q8_0 falls back to f16 for tensors whose rows are not a multiple of 32")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite the output file if it exists")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd)
+    return p
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m tensorfold.convert HF_DIR -o out.gguf`
+    ap = argparse.ArgumentParser(prog="tensorfold")
+    add_parser(ap.add_subparsers(dest="cmd", required=True))
+    ns = ap.parse_args()
+    sys.exit(ns.func(ns))
