@@ -1,4 +1,4 @@
-"""The `tensorfold` command line: chat, generate, info, pull."""
+"""The `tensorfold` command line: chat, generate, info, pull, convert."""
 from __future__ import annotations
 
 import argparse
@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", help="GGUF path or known model name")
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.set_defaults(func=cmd_info)
+
+    from .convert import add_parser as add_convert_parser
+
+    add_convert_parser(sub)
 
     pl = sub.add_parser("pull", help="download and verify a known model, print its path")
     pl.add_argument("name", nargs="?", default=DEFAULT_MODEL)

@@ -833,11 +833,11 @@ def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool 
             for o in outs:
                 if o.note:
                     msg = f"{o.name}: {o.note}"
-                    log.warning(msg)
                     if bar is not None:
                         bar.write(msg, file=sys.stderr)
-                    elif progress:
-                        print(msg, file=sys.stderr)
+                        log.info(msg)
+                    else:
+                        log.warning(msg)
                 arr = o.make([src.get(s) for s in o.sources])
                 if arr.shape != o.shape:  # pragma: no cover - guarded by the plan
                     raise ConvertError(f"{o.name}: produced shape {arr.shape}, planned {o.shape}")
