@@ -114,7 +114,9 @@ def measure_dram_read(threads: int, gib: float = 2.0, reps: int = 3) -> float:
 
     from tensorfold import _core
 
-    buf = np.ones(int(gib * 2**30), dtype=np.uint8)  # written once: pages are resident
+    # distinct content on every page (nothing for page deduplication to merge), written once so
+    # the pages are resident before timing
+    buf = np.arange(int(gib * 2**30) // 8, dtype=np.uint64).view(np.uint8)
     _core.kernels_read_bytes(buf, threads)  # warm-up
     best = 0.0
     for _ in range(reps):

@@ -1,0 +1,60 @@
+// Process group for tensor parallelism across machines: rank/size, in-place All-Reduce
+// (sum), broadcast and barrier over one or more "rails" (independent links). Transports
+// (TCP multi-rail, ibverbs dual-rail) sit under one interface; the All-Reduce algorithm
+// (chunking, striping, ordering, rail fail-over) is shared. Every wait has a timeout: a lost
+// peer is a tf::Error within the timeout, never a hang.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tf::comm {
+
+enum class DType { F32, F16, BF16 };
+
+struct GroupOptions {
+  int rank = 0;
+  int size = 1;
+  // Bootstrap address "HOST:PORT": rank 0 listens there, the other rank connects to it.
+  std::string addr;
+  // One local address (IP of the interface) per rail; empty = one rail on the default route.
+  // Rank 0 listens on each of its rail addresses, the peer connects from its own.
+  std::vector<std::string> rails;
+  double timeout_s = 30.0;
+  std::string transport = "tcp";  // "tcp" or "ibverbs"
+  // Refused at connect unless both ranks give the same value (model hash, TP size, formats).
+  std::string handshake;
+};
+
+struct RailStats {
+  std::string local, peer;
+  bool up = true;
+  uint64_t bytes_sent = 0, bytes_received = 0;
+  double throughput_mb_s = 0;  // measured estimate used for striping
+};
+
+struct GroupStats {
+  uint64_t all_reduces = 0, broadcasts = 0, barriers = 0;
+  uint64_t small_messages = 0;   // took the one-shot latency path
+  uint64_t rail_failures = 0;    // rails lost and traffic moved to the others
+  double seconds_in_collectives = 0;
+  std::vector<RailStats> rails;
+};
+
+class Group {
+ public:
+  static std::unique_ptr<Group> create(const GroupOptions& opts);
+  virtual ~Group() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // In-place sum over all ranks. Every rank ends with bit-identical results (the sum is
+  // taken in rank order everywhere).
+  virtual void all_reduce(void* data, size_t count, DType dtype) = 0;
+  virtual void broadcast(void* data, size_t bytes, int root) = 0;
+  virtual void barrier() = 0;
+  virtual GroupStats stats() const = 0;
+};
+
+}  // namespace tf::comm
