@@ -13,8 +13,15 @@ namespace tf {
 void bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& path, int threads, int64_t kv_tokens, int64_t context,
-                       int max_batch_tokens, const std::string& kv_type) {
+                       int max_batch_tokens, const std::string& kv_type, int tp_size, int tp_rank,
+                       const std::string& tp_addr, const std::vector<std::string>& tp_rails,
+                       double tp_timeout) {
              EngineOptions o;
+             o.tp.size = tp_size;
+             o.tp.rank = tp_rank;
+             o.tp.addr = tp_addr;
+             o.tp.rails = tp_rails;
+             o.tp.timeout_s = tp_timeout;
              if (kv_type == "f16") o.kv_type = KvType::F16;
              else if (kv_type == "f32") o.kv_type = KvType::F32;
              else throw py::value_error("kv_type must be 'f16' or 'f32', got '" + kv_type + "'");
@@ -26,7 +33,38 @@ void bind_engine(py::module_& m) {
              return std::make_unique<Engine>(path, o);
            }),
            py::arg("path"), py::arg("threads") = 0, py::arg("kv_tokens") = 0, py::arg("context") = 0,
-           py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16")
+           py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16", py::arg("tp_size") = 1,
+           py::arg("tp_rank") = 0, py::arg("tp_addr") = "", py::arg("tp_rails") = std::vector<std::string>{},
+           py::arg("tp_timeout") = 30.0)
+      .def("follow",
+           [](Engine& e) {
+             py::gil_scoped_release nogil;
+             e.follow();
+           },
+           "TP rank 1: execute rank 0's forwards until it shuts down (raises if it is lost)")
+      .def_property_readonly("tp_rank", &Engine::tp_rank)
+      .def_property_readonly("tp_size", &Engine::tp_size)
+      .def_property_readonly("weight_bytes", &Engine::weight_bytes)
+      .def("comm_stats", [](const Engine& e) {
+        const comm::GroupStats s = e.comm_stats();
+        py::dict d;
+        d["all_reduces"] = s.all_reduces;
+        d["broadcasts"] = s.broadcasts;
+        d["rail_failures"] = s.rail_failures;
+        d["seconds_in_collectives"] = s.seconds_in_collectives;
+        py::list rails;
+        for (const auto& r : s.rails) {
+          py::dict rd;
+          rd["local"] = r.local;
+          rd["peer"] = r.peer;
+          rd["up"] = r.up;
+          rd["bytes_sent"] = r.bytes_sent;
+          rd["bytes_received"] = r.bytes_received;
+          rails.append(rd);
+        }
+        d["rails"] = rails;
+        return d;
+      })
       .def("add_request",
            [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
               int top_k, float top_p, float min_p, uint64_t seed, const std::vector<int32_t>& eog_ids,

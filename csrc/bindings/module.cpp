@@ -32,4 +32,5 @@ PYBIND11_MODULE(_core, m) {
   tf::bind_cuda(m);
   tf::bind_ops(m);
   tf::bind_moe(m);
+  tf::bind_comm(m);
 }

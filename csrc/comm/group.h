@@ -26,6 +26,10 @@ struct GroupOptions {
   std::string transport = "tcp";  // "tcp" or "ibverbs"
   // Refused at connect unless both ranks give the same value (model hash, TP size, formats).
   std::string handshake;
+  // Messages up to small_bytes take the one-shot latency path; larger ones are cut into
+  // chunk_bytes pieces striped over the rails. Rank 0's values are used by both ranks.
+  size_t small_bytes = size_t(64) << 10;
+  size_t chunk_bytes = size_t(512) << 10;
 };
 
 struct RailStats {
@@ -33,6 +37,7 @@ struct RailStats {
   bool up = true;
   uint64_t bytes_sent = 0, bytes_received = 0;
   double throughput_mb_s = 0;  // measured estimate used for striping
+  std::string down_reason;     // why the rail went down (empty while up)
 };
 
 struct GroupStats {
@@ -55,6 +60,9 @@ class Group {
   virtual void broadcast(void* data, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
   virtual GroupStats stats() const = 0;
+  // Test hook: take `rail` down (shut its link) during the next collective, once this rank
+  // has sent at least `after_bytes` on that rail in it. Groups without rails refuse.
+  virtual void debug_fail_rail(int rail, uint64_t after_bytes);
 };
 
 }  // namespace tf::comm

@@ -8,6 +8,8 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -312,6 +314,37 @@ struct Rail {
 class TcpTransport final : public Transport {
  public:
   explicit TcpTransport(std::vector<Rail> rails) : rails_(std::move(rails)) {}
+
+  // Graceful close: half-close each rail so everything queued (and a FIN) goes out, and keep
+  // draining input until the peer's kernel has acknowledged our bytes (bounded wait). Closing
+  // with unread input would make the kernel reset the connection and could drop the last
+  // message the peer still needs.
+  ~TcpTransport() override {
+    for (auto& rl : rails_)
+      if (rl.up) ::shutdown(rl.fd.fd, SHUT_WR);
+    const Deadline dl = Clock::now() + std::chrono::milliseconds(500);
+    char sink[16384];
+    for (;;) {
+      bool pending = false;
+      std::vector<pollfd> pf;
+      for (auto& rl : rails_) {
+        if (!rl.up) continue;
+        for (;;) {
+          const ssize_t k = ::recv(rl.fd.fd, sink, sizeof sink, MSG_DONTWAIT);
+          if (k > 0) continue;
+          if (k < 0 && errno == EINTR) continue;
+          break;
+        }
+        int outq = 0;
+        if (::ioctl(rl.fd.fd, SIOCOUTQ, &outq) == 0 && outq > 0) {
+          pending = true;
+          pf.push_back({rl.fd.fd, POLLIN, 0});
+        }
+      }
+      if (!pending || Clock::now() >= dl) break;
+      ::poll(pf.data(), pf.size(), 5);
+    }
+  }
   const char* name() const override { return "tcp"; }
   int num_rails() const override { return static_cast<int>(rails_.size()); }
   bool up(int r) const override { return rails_[r].up; }

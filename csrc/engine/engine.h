@@ -6,10 +6,16 @@
 #pragma once
 #include <cstdint>
 #include <deque>
+#include <atomic>
+#include <condition_variable>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "comm/group.h"
 
 #include "core/thread_pool.h"
 #include "engine/sampler.h"
@@ -19,12 +25,21 @@
 
 namespace tf {
 
+struct TpOptions {
+  int size = 1;                    // 1 or 2
+  int rank = 0;                    // 0 schedules and samples; 1 follows
+  std::string addr;                // rank 1 listens here, rank 0 connects
+  std::vector<std::string> rails;  // local rail addresses
+  double timeout_s = 30.0;
+};
+
 struct EngineOptions {
   int threads = 0;             // 0: all hardware threads
   int64_t kv_tokens = 0;       // KV pool size in tokens; 0: context * 2 (at least 4096)
   int64_t context = 0;         // per-sequence limit; 0: min(model's trained context, 8192)
   int max_batch_tokens = 512;  // token budget of one step (prefill chunk size)
   KvType kv_type = KvType::F16;
+  TpOptions tp;
 };
 
 struct RequestParams {
@@ -77,6 +92,14 @@ class Engine {
   // (empty for dense layers).
   std::vector<std::vector<int32_t>> routing(const std::vector<int32_t>& ids);
 
+  // Tensor parallel. Rank 1 runs follow(): it executes every forward rank 0 plans until rank 0
+  // shuts down (returns) or is lost (throws within the timeout).
+  int tp_rank() const { return tp_.rank; }
+  int tp_size() const { return tp_.size; }
+  void follow();
+  comm::GroupStats comm_stats() const;
+  uint64_t weight_bytes() const { return model_->weight_bytes(); }
+
  private:
   struct Sequence {
     int64_t id;
@@ -91,6 +114,11 @@ class Engine {
         : id(id_), tokens(p), n_prompt(p.size()), params(rp), sampler(rp.sampling) {}
   };
   void finish(Sequence& s, FinishReason reason, std::vector<StepOutput>& out, int32_t token);
+  // Rank 0: runs one forward on every rank (plan broadcast first under TP).
+  void run_forward(const std::vector<BatchToken>& batch, float* logits);
+  void send_command(int64_t cmd, const std::vector<int32_t>& payload);
+  void heartbeat_loop();
+  void require_leader(const char* what) const;
   void preempt(Sequence& s);
 
   std::shared_ptr<GgufFile> file_;
@@ -105,6 +133,15 @@ class Engine {
   std::vector<Sequence*> batch_owner_;
   std::vector<float> logits_;
   EngineStats stats_;
+  // TP state
+  TpOptions tp_;
+  std::unique_ptr<comm::Group> group_;
+  std::mutex comm_mu_;                 // one collective sequence at a time (forward vs heartbeat)
+  std::thread heartbeat_;
+  std::condition_variable hb_cv_;
+  std::mutex hb_mu_;
+  bool hb_stop_ = false;
+  std::vector<int32_t> plan_;          // serialized plan (reused)
 };
 
 }  // namespace tf

@@ -63,6 +63,18 @@ bool PagedKvCache::reserve(int seq, int64_t n_tokens) {
   return true;
 }
 
+void PagedKvCache::assign_table(int seq, const int32_t* blocks, size_t n) {
+  TF_CHECK(seq >= 0 && seq < (1 << 20), "assign_table: bad sequence slot ", seq);
+  if (size_t(seq) >= tables_.size()) {
+    tables_.resize(size_t(seq) + 1);
+    slot_used_.resize(size_t(seq) + 1, false);
+  }
+  for (size_t i = 0; i < n; ++i)
+    TF_CHECK(blocks[i] >= 0 && blocks[i] < n_blocks_, "assign_table: block id ", blocks[i], " out of range");
+  tables_[size_t(seq)].assign(blocks, blocks + n);
+  slot_used_[size_t(seq)] = true;
+}
+
 int64_t PagedKvCache::capacity(int seq) const {
   return int64_t(tables_[size_t(seq)].size()) * block_size_;
 }

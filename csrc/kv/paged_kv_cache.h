@@ -32,6 +32,8 @@ class PagedKvCache {
   int64_t capacity(int seq) const;
   const std::vector<int32_t>& block_table(int seq) const { return tables_[size_t(seq)]; }
   int64_t blocks_needed(int seq, int64_t n_tokens) const;
+  // TP follower: mirror a block table decided by rank 0 (the follower never allocates).
+  void assign_table(int seq, const int32_t* blocks, size_t n);
 
   // Rows of one (layer, block, kv head): [block_size][head_dim] elements.
   void* k_block(int layer, int32_t block, int kv_head) { return at(layer, block, 0, kv_head); }

@@ -4,6 +4,9 @@
 #include <cmath>
 #include <cstring>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include "backend/cpu/attention.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/vec_ops.h"
@@ -14,6 +17,8 @@
 namespace tf {
 
 namespace {
+constexpr int64_t kMaxLogitRows = 64;  // the engine never asks for more rows per forward
+
 std::string shape_str(const std::vector<int64_t>& ne) {
   std::string s = "[";
   for (size_t i = 0; i < ne.size(); ++i) s += (i ? ", " : "") + std::to_string(ne[i]);
@@ -88,8 +93,14 @@ const float* LlamaModel::load_vector(const std::string& name, int64_t n, bool re
   return owned_vectors_.back().data();
 }
 
-LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file) : file_(std::move(file)) {
+LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file_(std::move(file)), tp_(tp) {
   cfg_ = ModelConfig::from_gguf(*file_);
+  TF_CHECK(tp_.size == 1 || (tp_.size == 2 && tp_.group), "tensor parallel size must be 1 or 2 (with a group)");
+  TF_CHECK(tp_.rank >= 0 && tp_.rank < tp_.size, "TP rank ", tp_.rank, " is out of range");
+  if (tp_.size > 1) {
+    fd_ = ::open(file_->path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) fail(ErrorKind::InvalidInput, file_->path(), ": cannot open for reading");
+  }
   const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim;
   tok_embd_ = load_weight("token_embd.weight", E, cfg_.n_vocab);
   output_norm_ = load_vector("output_norm.weight", E);
@@ -146,6 +157,166 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file) : file_(std::move(file)) 
       fail(ErrorKind::Unsupported, file_->path(), ": layer ", il,
            " mixes weight types within q/k/v; not supported yet");
   }
+  hl_ = H;
+  hkl_ = HK;
+  fl_ = cfg_.n_ff;
+  fel_ = cfg_.n_ff_exp;
+  v0_ = 0;
+  v1_ = cfg_.n_vocab;
+  if (tp_.size > 1) shard_weights();
+}
+
+namespace {
+int64_t block_of(const Weight& w) { return w.rows > 0 ? find_type_traits(uint32_t(w.type))->block_size : 1; }
+
+// Split point of [0, n) for rank 0 nearest n/2 that is a multiple of `align` (and not 0 or n).
+int64_t split_point(int64_t n, int64_t align, const std::string& what, const std::string& path) {
+  int64_t best = -1;
+  for (int64_t c = align; c < n; c += align)
+    if (best < 0 || std::llabs(2 * c - n) < std::llabs(2 * best - n)) best = c;
+  if (best < 0)
+    fail(ErrorKind::Unsupported, path, ": cannot split ", what, " (", n, ") across 2 ranks on ",
+         align, "-element block boundaries");
+  return best;
+}
+}  // namespace
+
+LlamaModel::~LlamaModel() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void LlamaModel::read_at(uint64_t offset, void* dst, size_t n) const {
+  auto* p = static_cast<uint8_t*>(dst);
+  while (n > 0) {
+    const ssize_t r = ::pread(fd_, p, n, off_t(offset));
+    if (r <= 0) fail(ErrorKind::Runtime, file_->path(), ": read failed while loading a TP slice");
+    p += r;
+    offset += uint64_t(r);
+    n -= size_t(r);
+  }
+}
+
+Weight LlamaModel::slice_rows(const Weight& w, int64_t r0, int64_t r1) const {
+  Weight s = w;
+  s.data = w.data + size_t(r0) * w.row_stride;
+  s.rows = r1 - r0;
+  return s;
+}
+
+ExpertWeight LlamaModel::slice_rows(const ExpertWeight& w, int64_t r0, int64_t r1) const {
+  ExpertWeight s = w;
+  s.first = slice_rows(w.first, r0, r1);
+  return s;  // expert_stride unchanged: each expert's row range is a view
+}
+
+Weight LlamaModel::slice_cols(const Weight& w, int64_t c0, int64_t c1) {
+  Weight s = w;
+  s.k = c1 - c0;
+  s.row_stride = row_bytes(w.type, s.k);
+  const size_t skip = row_bytes(w.type, c0);
+  owned_weights_.emplace_back(new uint8_t[s.row_stride * size_t(w.rows)]);
+  uint8_t* dst = owned_weights_.back().get();
+  const uint64_t base = uint64_t(w.data - file_->base());
+  for (int64_t r = 0; r < w.rows; ++r)
+    read_at(base + uint64_t(r) * w.row_stride + skip, dst + size_t(r) * s.row_stride, s.row_stride);
+  s.data = dst;
+  return s;
+}
+
+ExpertWeight LlamaModel::slice_cols(const ExpertWeight& w, int64_t c0, int64_t c1) {
+  ExpertWeight s = w;
+  s.first.k = c1 - c0;
+  s.first.row_stride = row_bytes(w.first.type, s.first.k);
+  s.expert_stride = s.first.row_stride * size_t(w.first.rows);
+  const size_t skip = row_bytes(w.first.type, c0);
+  owned_weights_.emplace_back(new uint8_t[s.expert_stride * size_t(w.n_expert)]);
+  uint8_t* dst = owned_weights_.back().get();
+  const uint64_t base = uint64_t(w.first.data - file_->base());
+  for (int64_t e = 0; e < w.n_expert; ++e)
+    for (int64_t r = 0; r < w.first.rows; ++r)
+      read_at(base + uint64_t(e) * w.expert_stride + uint64_t(r) * w.first.row_stride + skip,
+              dst + size_t(e) * s.expert_stride + size_t(r) * s.first.row_stride, s.first.row_stride);
+  s.first.data = dst;
+  return s;
+}
+
+void LlamaModel::shard_weights() {
+  const std::string& path = file_->path();
+  const int64_t H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim, g = H / HK;
+  const int r = tp_.rank;
+  // KV heads: a split whose query boundary lies on a block boundary of every attn_output.
+  int64_t align = 1;
+  for (const auto& L : layers_) align = std::max(align, block_of(L.wo));
+  int64_t kv0 = -1;
+  for (int64_t c = 1; c < HK; ++c)
+    if ((c * g * D) % align == 0 && (kv0 < 0 || std::llabs(2 * c - HK) < std::llabs(2 * kv0 - HK))) kv0 = c;
+  if (kv0 < 0)
+    fail(ErrorKind::Unsupported, path, ": cannot split ", HK, " KV heads across 2 ranks on ", align,
+         "-element block boundaries of attn_output");
+  const int64_t k0 = r == 0 ? 0 : kv0, k1 = r == 0 ? kv0 : HK;
+  hkl_ = k1 - k0;
+  hl_ = hkl_ * g;
+  const int64_t q0 = k0 * g;
+  auto split = [&](int64_t n, int64_t al, const char* what, int64_t& a, int64_t& b) {
+    const int64_t c = split_point(n, al, what, path);
+    a = r == 0 ? 0 : c;
+    b = r == 0 ? c : n;
+  };
+  int64_t f0 = 0, f1 = 0, e0 = 0, e1 = 0;
+  int64_t al_ff = 1, al_exp = 1;
+  for (const auto& L : layers_) {
+    al_ff = std::max(al_ff, block_of(L.w_down));
+    al_exp = std::max(al_exp, block_of(L.down_exps.first));
+  }
+  if (cfg_.n_ff > 0) split(cfg_.n_ff, al_ff, "the FFN width", f0, f1);
+  if (cfg_.is_moe()) split(cfg_.n_ff_exp, al_exp, "the expert FFN width", e0, e1);
+  fl_ = f1 - f0;
+  fel_ = e1 - e0;
+  const int64_t vsplit = cfg_.n_vocab / 2;
+  v0_ = r == 0 ? 0 : vsplit;
+  v1_ = r == 0 ? vsplit : cfg_.n_vocab;
+  weight_bytes_ = 0;  // recounted: what this rank holds
+  auto count = [&](const Weight& w) { weight_bytes_ += w.row_stride * uint64_t(w.rows); };
+  output_ = slice_rows(output_, v0_, v1_);
+  count(output_);
+  for (auto& L : layers_) {
+    L.wq = slice_rows(L.wq, q0 * D, (q0 + hl_) * D);
+    L.wk = slice_rows(L.wk, k0 * D, k1 * D);
+    L.wv = slice_rows(L.wv, k0 * D, k1 * D);
+    if (L.bq) {
+      L.bq += q0 * D;
+      L.bk += k0 * D;
+      L.bv += k0 * D;
+    }
+    L.wo = slice_cols(L.wo, q0 * D, (q0 + hl_) * D);
+    count(L.wq); count(L.wk); count(L.wv); count(L.wo);
+    if (L.moe) {
+      L.gate_exps = slice_rows(L.gate_exps, e0, e1);
+      L.up_exps = slice_rows(L.up_exps, e0, e1);
+      L.down_exps = slice_cols(L.down_exps, e0, e1);
+      weight_bytes_ += 3 * L.gate_exps.first.row_stride * uint64_t(fel_) * uint64_t(cfg_.n_expert);
+      count(L.router);
+      if (L.gate_shexp.rows > 0) {
+        int64_t s0, s1;
+        split(L.gate_shexp.rows, block_of(L.down_shexp), "the shared expert width", s0, s1);
+        L.gate_shexp = slice_rows(L.gate_shexp, s0, s1);
+        L.up_shexp = slice_rows(L.up_shexp, s0, s1);
+        L.down_shexp = slice_cols(L.down_shexp, s0, s1);
+        count(L.gate_shexp); count(L.up_shexp); count(L.down_shexp);
+      }
+    } else {
+      L.w_gate = slice_rows(L.w_gate, f0, f1);
+      L.w_up = slice_rows(L.w_up, f0, f1);
+      L.w_down = slice_cols(L.w_down, f0, f1);
+      count(L.w_gate); count(L.w_up); count(L.w_down);
+    }
+  }
+  ::close(fd_);
+  fd_ = -1;
+}
+
+void LlamaModel::reduce(float* data, int64_t n) {
+  if (tp_.size > 1) tp_.group->all_reduce(data, size_t(n), comm::DType::F32);
 }
 
 void LlamaModel::reset_expert_usage() {
@@ -163,8 +334,10 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   max_ctx_ = max_ctx;
   n_threads_ = n_threads;
   const size_t T = size_t(max_tokens);
-  const size_t E = size_t(cfg_.n_embd), QD = size_t(cfg_.n_head) * size_t(cfg_.head_dim),
-               KD = size_t(cfg_.n_head_kv) * size_t(cfg_.head_dim), F = size_t(cfg_.n_ff);
+  const size_t E = size_t(cfg_.n_embd), QD = size_t(hl_) * size_t(cfg_.head_dim),
+               KD = size_t(hkl_) * size_t(cfg_.head_dim), F = size_t(fl_);
+  ffn_out_.assign(T * E, 0.f);
+  if (tp_.size > 1) logits_local_.assign(size_t(kMaxLogitRows) * size_t(cfg_.n_vocab - v0_), 0.f);
   x_.assign(T * E, 0.f);
   xn_.assign(T * E, 0.f);
   q_.assign(T * QD, 0.f);
@@ -192,7 +365,7 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   jobs_.reserve(size_t(2 * std::max(cfg_.n_expert, 2) + 4));
   reset_expert_usage();
   if (cfg_.is_moe()) {
-    const size_t NE = size_t(cfg_.n_expert), K = size_t(cfg_.n_expert_used), FE = size_t(cfg_.n_ff_exp);
+    const size_t NE = size_t(cfg_.n_expert), K = size_t(cfg_.n_expert_used), FE = size_t(fel_);
     router_logits_.assign(T * NE, 0.f);
     route_w_.assign(T * K, 0.f);
     route_ids_.assign(T * K, 0);
@@ -239,7 +412,7 @@ void LlamaModel::matmul(std::initializer_list<std::pair<const Weight*, float*>> 
 
 void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   const LayerWeights& L = layers_[size_t(layer)];
-  const int64_t E = cfg_.n_embd, NE = cfg_.n_expert, K = cfg_.n_expert_used, FE = cfg_.n_ff_exp;
+  const int64_t E = cfg_.n_embd, NE = cfg_.n_expert, K = cfg_.n_expert_used, FE = fel_;
   const size_t S = act_stride_;
   // 1. Router logits and routing.
   quantize_acts(L.router.type, xn_.data(), T, E, pool);
@@ -293,7 +466,8 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   }
   run_jobs(jobs_, pool);
   for (int64_t t = 0; t < T; ++t) {
-    float* xt = x_.data() + t * E;
+    float* xt = ffn_out_.data() + t * E;
+    std::fill(xt, xt + E, 0.f);
     for (int64_t k = 0; k < K; ++k) {
       const float w = route_w_[size_t(t * K + k)];
       const float* o = exp_out_.data() + int64_t(slot_of_[size_t(t * K + k)]) * E;
@@ -319,7 +493,7 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
         for (int64_t i = 0; i < E; ++i) z += xn_[size_t(t * E + i)] * L.shexp_gate[i];
         g = 1.f / (1.f + std::exp(-z));
       }
-      float* xt = x_.data() + t * E;
+      float* xt = ffn_out_.data() + t * E;
       for (int64_t i = 0; i < E; ++i) xt[i] += g * sh[t * E + i];
     }
   }
@@ -359,7 +533,7 @@ inline void head_rmsnorm(float* v, const float* w, int n, float eps) {
 
 void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv,
                            ThreadPool& pool) {
-  const int H = cfg_.n_head, D = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv;
+  const int H = int(hl_), D = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv;
   const int64_t T = int64_t(batch.size());
   const float scale = 1.0f / std::sqrt(float(D));
   const int64_t items = T * H;
@@ -382,8 +556,8 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
                          float* logits) {
   const int64_t T = int64_t(batch.size());
   TF_CHECK(T > 0 && T <= max_tokens_, "batch of ", T, " tokens exceeds the reserved ", max_tokens_);
-  const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim;
-  const int64_t QD = H * D, KD = HK * D, F = cfg_.n_ff;
+  const int64_t E = cfg_.n_embd, H = hl_, HK = hkl_, D = cfg_.head_dim;
+  const int64_t QD = H * D, KD = HK * D, F = fl_;
   const int rd = cfg_.rope_dim;
   const cpu::VecOps& ops = cpu::vec_ops();
 
@@ -443,11 +617,14 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
     attention(batch, il, kv, pool);
     quantize_acts(L.wo.type, attn_.data(), T, QD, pool);
     matmul({{&L.wo, xn_.data()}}, T, pool);
+    reduce(xn_.data(), T * E);  // TP: sum of the ranks' partial projections
     for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
 
     rmsnorm(x_.data(), L.ffn_norm, xn_.data(), T, E);
     if (L.moe) {
       moe_ffn(il, T, pool);
+      reduce(ffn_out_.data(), T * E);
+      for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += ffn_out_[size_t(i)];
       continue;
     }
     quantize_acts(L.w_gate.type, xn_.data(), T, E, pool);
@@ -458,6 +635,7 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
     });
     quantize_acts(L.w_down.type, gate_.data(), T, F, pool);
     matmul({{&L.w_down, xn_.data()}}, T, pool);
+    reduce(xn_.data(), T * E);
     for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
   }
 
@@ -470,7 +648,24 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
   }
   if (n_out == 0) return;
   quantize_acts(output_.type, xn_.data(), n_out, E, pool);
-  matmul({{&output_, logits}}, n_out, pool);
+  const int64_t V = cfg_.n_vocab;
+  if (tp_.size == 1) {
+    matmul({{&output_, logits}}, n_out, pool);
+    return;
+  }
+  // TP: each rank computes its vocabulary rows; rank 1's reach rank 0, which samples.
+  TF_CHECK(n_out <= kMaxLogitRows, "too many logit rows for one TP forward");
+  const int64_t V1 = V - (tp_.rank == 0 ? v1_ : v0_);  // rank 1's slice width
+  jobs_.clear();
+  if (tp_.rank == 0)
+    jobs_.push_back({output_, act_.data(), act_stride_, n_out, logits, V});
+  else
+    jobs_.push_back({output_, act_.data(), act_stride_, n_out, logits_local_.data(), V1});
+  run_jobs(jobs_, pool);
+  tp_.group->broadcast(logits_local_.data(), size_t(n_out * V1) * sizeof(float), tp_.group_rank(1));
+  if (tp_.rank == 0)
+    for (int64_t t = 0; t < n_out; ++t)
+      std::memcpy(logits + t * V + v1_, logits_local_.data() + t * V1, size_t(V1) * sizeof(float));
 }
 
 }  // namespace tf

@@ -1,6 +1,13 @@
-// Decoder-only transformer forward pass (llama / qwen2 / qwen3 dense) over a batch of tokens
-// from any number of sequences, reading and writing K/V through the paged cache. Weights are
-// views into the mmapped GGUF; all scratch is allocated once by reserve().
+// Decoder-only transformer forward pass (llama / qwen2 / qwen3, dense or MoE) over a batch
+// of tokens from any number of sequences, reading and writing K/V through the paged cache.
+// Weights are views into the mmapped GGUF; all scratch is allocated once by reserve().
+//
+// Tensor parallel (TP=2): each rank holds a contiguous range of KV heads (and their query
+// heads), half of every FFN's intermediate dimension (dense, each expert, shared expert) and
+// half of the vocabulary rows of the LM head. Row ranges are views into the mapping (other
+// pages are never touched); ranges of the input dimension (attn_output, ffn_down, experts'
+// down) are read into private buffers with pread, so a rank keeps only its half resident.
+// The output projection and the FFN produce partial sums, combined by one All-Reduce each.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -10,6 +17,7 @@
 #include "core/thread_pool.h"
 #include "gguf/gguf_reader.h"
 #include "kv/paged_kv_cache.h"
+#include "comm/group.h"
 #include "model/model_config.h"
 
 namespace tf {
@@ -67,9 +75,20 @@ struct BatchToken {
   bool want_logits = false;
 };
 
+struct TpShard {
+  int rank = 0;                  // engine rank: 0 schedules and samples
+  int size = 1;
+  comm::Group* group = nullptr;  // required when size > 1
+  int group_rank(int engine_rank) const { return group ? (engine_rank + group_rank_offset) % size : 0; }
+  int group_rank_offset = 0;     // engine rank -> group rank mapping (the listener is group rank 0)
+};
+
 class LlamaModel {
  public:
-  explicit LlamaModel(std::shared_ptr<GgufFile> file);
+  explicit LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp = TpShard{});
+  ~LlamaModel();
+  const TpShard& tp() const { return tp_; }
+  int local_kv_heads() const { return int(hkl_); }
 
   const ModelConfig& config() const { return cfg_; }
   const GgufFile& file() const { return *file_; }
@@ -94,6 +113,14 @@ class LlamaModel {
  private:
   Weight load_weight(const std::string& name, int64_t k, int64_t rows, bool required = true);
   ExpertWeight load_experts(const std::string& name, int64_t k, int64_t rows, int64_t n_expert);
+  // TP slicing (see the header comment).
+  void shard_weights();
+  Weight slice_rows(const Weight& w, int64_t r0, int64_t r1) const;
+  ExpertWeight slice_rows(const ExpertWeight& w, int64_t r0, int64_t r1) const;
+  Weight slice_cols(const Weight& w, int64_t c0, int64_t c1);
+  ExpertWeight slice_cols(const ExpertWeight& w, int64_t c0, int64_t c1);
+  void read_at(uint64_t offset, void* dst, size_t n) const;
+  void reduce(float* data, int64_t n);
   const float* load_vector(const std::string& name, int64_t n, bool required = true);
   void quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool,
                      uint8_t* dst = nullptr);
@@ -113,6 +140,11 @@ class LlamaModel {
   const float* output_norm_ = nullptr;
   std::vector<LayerWeights> layers_;
   std::vector<std::vector<float>> owned_vectors_;  // norms stored as F16/BF16, converted once
+  std::vector<std::unique_ptr<uint8_t[]>> owned_weights_;  // TP column slices
+  TpShard tp_;
+  int fd_ = -1;  // for pread of column slices during load
+  // Local (this rank's) extents: query/KV heads, FFN widths, vocabulary rows.
+  int64_t hl_ = 0, hkl_ = 0, fl_ = 0, fel_ = 0, v0_ = 0, v1_ = 0;
   uint64_t weight_bytes_ = 0;
   int64_t shexp_width_ = 0;  // widest shared expert FFN
 
@@ -120,7 +152,7 @@ class LlamaModel {
   int max_tokens_ = 0;
   int64_t max_ctx_ = 0;
   int n_threads_ = 1;
-  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, rope_cs_, scores_;
+  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, rope_cs_, scores_, ffn_out_, logits_local_;
   std::vector<uint8_t> act_;
   size_t act_stride_ = 0;
   // MoE scratch: router logits, routing, per-expert token lists, gathered activations.

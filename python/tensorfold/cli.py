@@ -11,6 +11,10 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="worker threads (default: all cores)")
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor parallel size (2 = two machines)")
+    p.add_argument("--peer", default=None, help="TP: HOST:PORT where rank 1 (tensorfold worker) listens")
+    p.add_argument("--rails", default=None, help="TP: this machine's address on each link, comma-separated")
+    p.add_argument("--tp-timeout", type=float, default=30.0, help="TP: seconds before a silent peer is an error")
     p.add_argument("-c", "--context", type=int, default=None,
                    help="context length per sequence (default: the model's, at most 8192)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache pool size in tokens")
@@ -34,7 +38,8 @@ def _load(a: argparse.Namespace, model: str):
     from .engine import Engine
 
     t0 = time.perf_counter()
-    eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens)
+    eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=0,
+                 peer=a.peer, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout)
     print(f"loaded {os.path.basename(eng.path)} ({eng.config['summary']}) on {eng.threads} threads "
           f"in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
     return eng
@@ -110,6 +115,21 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(a: argparse.Namespace) -> int:
+    from .engine import Engine
+
+    if a.rank != 1:
+        print("tensorfold: error: the worker is rank 1 (rank 0 is chat/generate/Python with tp=2)", file=sys.stderr)
+        return 2
+    print(f"worker: waiting for rank 0 on {a.listen} ...", file=sys.stderr)
+    eng = Engine(a.model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=1,
+                 peer=a.listen, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout)
+    print(f"worker: connected; holding {eng._core.weight_bytes / 2**20:.1f} MiB of weights", file=sys.stderr)
+    eng.follow()
+    print("worker: rank 0 finished", file=sys.stderr)
+    return 0
+
+
 def cmd_info(a: argparse.Namespace) -> int:
     from .info import describe
 
@@ -147,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     _add_sampling_args(g, 128)
     g.set_defaults(func=cmd_generate)
+
+    w = sub.add_parser("worker", help="tensor-parallel rank 1: serve rank 0's forward passes",
+                       description="Runs TP rank 1 of a two-machine model: listens on --listen, holds half "
+                                   "of every layer, and follows rank 0 (tensorfold chat/generate/serve or "
+                                   "Python with tp=2, rank=0, peer=HOST:PORT) until it finishes.")
+    w.add_argument("model", help="GGUF path (the same file as rank 0)")
+    w.add_argument("--rank", type=int, default=1, help="must be 1")
+    w.add_argument("--listen", required=True, help="HOST:PORT to accept rank 0 on")
+    w.add_argument("--kv-tokens", type=int, default=None)
+    w.add_argument("-c", "--context", type=int, default=None)
+    w.add_argument("-t", "--threads", type=int, default=None)
+    w.add_argument("--tp", type=int, default=2, choices=(2,))
+    w.add_argument("--rails", default=None, help="this machine's address on each link, comma-separated")
+    w.add_argument("--tp-timeout", type=float, default=30.0)
+    w.set_defaults(func=cmd_worker)
 
     i = sub.add_parser("info", help="architecture, tensor types and bits per weight of a GGUF")
     i.add_argument("model", help="GGUF path or known model name")

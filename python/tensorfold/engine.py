@@ -45,12 +45,17 @@ class Engine:
     threads: worker threads (default: all cores). kv_tokens: size of the paged KV pool in
     tokens (default: max(context, 4096)). context: per-sequence limit (default: the model's
     trained context, at most 8192). kv_type: "f16" (default, half the memory) or "f32" for
-    the KV cache. Engine.stats() reports token counts, timings and, for MoE models, the
+    the KV cache. Tensor parallel over two machines: tp=2 with rank=0 here and
+    peer="HOST:PORT" where `tensorfold worker MODEL --tp 2 --rank 1 --listen HOST:PORT`
+    runs (same model file and options); rails lists this machine's address on each link.
+    Engine.stats() reports token counts, timings and, for MoE models, the
     tokens routed to each expert of each layer ("expert_usage").
     """
 
     def __init__(self, model: str, *, threads: int | None = None, kv_tokens: int | None = None,
-                 context: int | None = None, max_batch_tokens: int = 512, kv_type: str = "f16"):
+                 context: int | None = None, max_batch_tokens: int = 512, kv_type: str = "f16",
+                 tp: int = 1, rank: int = 0, peer: str | None = None, rails: Sequence[str] | None = None,
+                 timeout: float = 30.0):
         for name, v in (("threads", threads), ("kv_tokens", kv_tokens), ("context", context)):
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -59,8 +64,12 @@ class Engine:
         metadata = self._gguf.metadata()
         self.tokenizer = Tokenizer.from_gguf_metadata(metadata)
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
+        if tp not in (1, 2):
+            raise ValueError(f"tp must be 1 or 2, got {tp}")
+        if tp == 2 and not peer:
+            raise ValueError("tp=2 needs peer='HOST:PORT' (where rank 1 listens)")
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
-                                  kv_type)
+                                  kv_type, tp, rank, peer or "", list(rails or []), float(timeout))
         if self._core.config["n_vocab"] < self.tokenizer.vocab_size:
             raise ValueError(
                 f"{self.path}: the tokenizer has {self.tokenizer.vocab_size} tokens but the "
@@ -83,7 +92,18 @@ class Engine:
         return self._core.threads
 
     def stats(self) -> dict:
-        return self._core.stats()
+        st = self._core.stats()
+        if self._core.tp_size > 1:
+            st["comm"] = self._core.comm_stats()
+        return st
+
+    def follow(self) -> None:
+        """TP rank 1: serve rank 0's forwards until it shuts down."""
+        self._core.follow()
+
+    def close(self) -> None:
+        """Release the native engine (under TP, tells the follower to stop)."""
+        self._core = None
 
     # -- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
