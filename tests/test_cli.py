@@ -36,7 +36,7 @@ def test_generate_greedy_matches_engine_and_llama_cpp(smollm2_path):
     text = r.stdout[:-1]  # the CLI ends with one newline
     assert text == eng.generate(case["prompt"], max_tokens=32, temperature=0, ignore_eos=True).text
     # Up to llama.cpp's first near-tie (see test_engine.NEAR_TIE) the text is llama.cpp's.
-    k = next((i for i, m in enumerate(case["top1_top2_margin"]) if m < 0.3), 32)
+    k = next((i for i, m in enumerate(case["top1_top2_margin"]) if m < 0.5), 32)
     assert text.startswith(eng.detokenize(case["generated_ids"][:k]))
 
 

@@ -30,10 +30,12 @@ def test_fixture_is_for_this_model(smollm2_path):
 
 # Activations are quantized to 8 bits before every matmul (in llama.cpp too), which makes the
 # forward pass chaotic at the level of single roundings: perturbing the input embeddings by a
-# relative 1e-7 moves SmolLM2's logits by ~0.1 rms, and llama.cpp's own prefill and decode
-# paths disagree on tokens whose top-2 margin is below ~0.2. A greedy decision llama.cpp makes
-# by less than NEAR_TIE logits is therefore not a stable answer; every other one must match.
-NEAR_TIE = 0.3
+# relative 1e-7 moves SmolLM2's logits by ~0.1 rms, and llama.cpp's own batched and one-token
+# paths disagree on 4 of these 192 greedy decisions. Over the fixture's decisions the top-2
+# margin of TensorFold and of llama.cpp differ with a standard deviation of 0.16 logits
+# (measured); a decision llama.cpp makes by less than NEAR_TIE (~3 sigma) is not a stable
+# answer, and every other one must match.
+NEAR_TIE = 0.5
 
 
 @pytest.mark.parametrize("case", GREEDY, ids=[f"{c['kind']}-{i}" for i, c in enumerate(GREEDY)])
@@ -60,7 +62,7 @@ def test_greedy_matches_llama_cpp(engine, case):
 def test_most_greedy_decisions_are_clear():
     """Guard for the tolerance above: near-ties are the exception in the fixture."""
     margins = [m for c in GREEDY for m in c["top1_top2_margin"]]
-    assert sum(m < NEAR_TIE for m in margins) < 0.25 * len(margins)
+    assert sum(m < NEAR_TIE for m in margins) < 0.2 * len(margins)
 
 
 def test_batched_decode_equals_solo_decode(smollm2_path, engine):

@@ -163,22 +163,13 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
   fel_ = cfg_.n_ff_exp;
   v0_ = 0;
   v1_ = cfg_.n_vocab;
+  plan_splits();
   if (tp_.size > 1) shard_weights();
 }
 
 namespace {
 int64_t block_of(const Weight& w) { return w.rows > 0 ? find_type_traits(uint32_t(w.type))->block_size : 1; }
 
-// Split point of [0, n) for rank 0 nearest n/2 that is a multiple of `align` (and not 0 or n).
-int64_t split_point(int64_t n, int64_t align, const std::string& what, const std::string& path) {
-  int64_t best = -1;
-  for (int64_t c = align; c < n; c += align)
-    if (best < 0 || std::llabs(2 * c - n) < std::llabs(2 * best - n)) best = c;
-  if (best < 0)
-    fail(ErrorKind::Unsupported, path, ": cannot split ", what, " (", n, ") across 2 ranks on ",
-         align, "-element block boundaries");
-  return best;
-}
 }  // namespace
 
 LlamaModel::~LlamaModel() {
@@ -240,36 +231,58 @@ ExpertWeight LlamaModel::slice_cols(const ExpertWeight& w, int64_t c0, int64_t c
   return s;
 }
 
-void LlamaModel::shard_weights() {
-  const std::string& path = file_->path();
+void LlamaModel::plan_splits() {
+  // The boundaries at which TP=2 splits every reduction dimension. TP=1 splits its sums at
+  // the same boundaries (partial + partial, as the All-Reduce does), so any TP degree gives
+  // bit-identical results. -1: no block-aligned split exists (TP=2 is then refused).
   const int64_t H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim, g = H / HK;
-  const int r = tp_.rank;
-  // KV heads: a split whose query boundary lies on a block boundary of every attn_output.
   int64_t align = 1;
   for (const auto& L : layers_) align = std::max(align, block_of(L.wo));
-  int64_t kv0 = -1;
+  kv_split_ = -1;
   for (int64_t c = 1; c < HK; ++c)
-    if ((c * g * D) % align == 0 && (kv0 < 0 || std::llabs(2 * c - HK) < std::llabs(2 * kv0 - HK))) kv0 = c;
-  if (kv0 < 0)
-    fail(ErrorKind::Unsupported, path, ": cannot split ", HK, " KV heads across 2 ranks on ", align,
-         "-element block boundaries of attn_output");
-  const int64_t k0 = r == 0 ? 0 : kv0, k1 = r == 0 ? kv0 : HK;
-  hkl_ = k1 - k0;
-  hl_ = hkl_ * g;
-  const int64_t q0 = k0 * g;
-  auto split = [&](int64_t n, int64_t al, const char* what, int64_t& a, int64_t& b) {
-    const int64_t c = split_point(n, al, what, path);
-    a = r == 0 ? 0 : c;
-    b = r == 0 ? c : n;
+    if ((c * g * D) % align == 0 && (kv_split_ < 0 || std::llabs(2 * c - HK) < std::llabs(2 * kv_split_ - HK)))
+      kv_split_ = c;
+  auto point = [](int64_t n, int64_t al) {
+    int64_t best = -1;
+    for (int64_t c = al; c < n; c += al)
+      if (best < 0 || std::llabs(2 * c - n) < std::llabs(2 * best - n)) best = c;
+    return best;
   };
-  int64_t f0 = 0, f1 = 0, e0 = 0, e1 = 0;
   int64_t al_ff = 1, al_exp = 1;
   for (const auto& L : layers_) {
     al_ff = std::max(al_ff, block_of(L.w_down));
     al_exp = std::max(al_exp, block_of(L.down_exps.first));
   }
-  if (cfg_.n_ff > 0) split(cfg_.n_ff, al_ff, "the FFN width", f0, f1);
-  if (cfg_.is_moe()) split(cfg_.n_ff_exp, al_exp, "the expert FFN width", e0, e1);
+  f_split_ = cfg_.n_ff > 0 ? point(cfg_.n_ff, al_ff) : -1;
+  fe_split_ = cfg_.is_moe() ? point(cfg_.n_ff_exp, al_exp) : -1;
+  fs_split_.assign(layers_.size(), -1);
+  for (size_t i = 0; i < layers_.size(); ++i)
+    if (layers_[i].gate_shexp.rows > 0) fs_split_[i] = point(layers_[i].gate_shexp.rows, block_of(layers_[i].down_shexp));
+}
+
+void LlamaModel::shard_weights() {
+  const std::string& path = file_->path();
+  const int64_t HK = cfg_.n_head_kv, D = cfg_.head_dim, g = cfg_.n_head / HK;
+  const int r = tp_.rank;
+  auto need = [&](int64_t c, const char* what) {
+    if (c < 0)
+      fail(ErrorKind::Unsupported, path, ": cannot split ", what,
+           " across 2 ranks on the weight format's block boundaries; use TP=1 for this model");
+    return c;
+  };
+  const int64_t kv0 = need(kv_split_, "the KV heads");
+  const int64_t k0 = r == 0 ? 0 : kv0, k1 = r == 0 ? kv0 : HK;
+  hkl_ = k1 - k0;
+  hl_ = hkl_ * g;
+  const int64_t q0 = k0 * g;
+  auto range = [&](int64_t n, int64_t c, int64_t& a, int64_t& b) {
+    a = r == 0 ? 0 : c;
+    b = r == 0 ? c : n;
+  };
+  int64_t f0 = 0, f1 = 0, e0 = 0, e1 = 0;
+  if (std::any_of(layers_.begin(), layers_.end(), [](const LayerWeights& L) { return !L.moe; }))
+    range(cfg_.n_ff, need(f_split_, "the FFN width"), f0, f1);
+  if (cfg_.is_moe()) range(cfg_.n_ff_exp, need(fe_split_, "the expert FFN width"), e0, e1);
   fl_ = f1 - f0;
   fel_ = e1 - e0;
   const int64_t vsplit = cfg_.n_vocab / 2;
@@ -279,7 +292,8 @@ void LlamaModel::shard_weights() {
   auto count = [&](const Weight& w) { weight_bytes_ += w.row_stride * uint64_t(w.rows); };
   output_ = slice_rows(output_, v0_, v1_);
   count(output_);
-  for (auto& L : layers_) {
+  for (size_t il = 0; il < layers_.size(); ++il) {
+    LayerWeights& L = layers_[il];
     L.wq = slice_rows(L.wq, q0 * D, (q0 + hl_) * D);
     L.wk = slice_rows(L.wk, k0 * D, k1 * D);
     L.wv = slice_rows(L.wv, k0 * D, k1 * D);
@@ -294,11 +308,12 @@ void LlamaModel::shard_weights() {
       L.gate_exps = slice_rows(L.gate_exps, e0, e1);
       L.up_exps = slice_rows(L.up_exps, e0, e1);
       L.down_exps = slice_cols(L.down_exps, e0, e1);
-      weight_bytes_ += 3 * L.gate_exps.first.row_stride * uint64_t(fel_) * uint64_t(cfg_.n_expert);
+      weight_bytes_ += (2 * L.gate_exps.first.row_stride * uint64_t(fel_) +
+                        L.down_exps.first.row_stride * uint64_t(cfg_.n_embd)) * uint64_t(cfg_.n_expert);
       count(L.router);
       if (L.gate_shexp.rows > 0) {
         int64_t s0, s1;
-        split(L.gate_shexp.rows, block_of(L.down_shexp), "the shared expert width", s0, s1);
+        range(L.gate_shexp.rows, need(fs_split_[il], "the shared expert width"), s0, s1);
         L.gate_shexp = slice_rows(L.gate_shexp, s0, s1);
         L.up_shexp = slice_rows(L.up_shexp, s0, s1);
         L.down_shexp = slice_cols(L.down_shexp, s0, s1);
@@ -311,6 +326,9 @@ void LlamaModel::shard_weights() {
       count(L.w_gate); count(L.w_up); count(L.w_down);
     }
   }
+  // Under TP each rank holds one part of every split sum: no further splitting.
+  kv_split_ = f_split_ = fe_split_ = -1;
+  std::fill(fs_split_.begin(), fs_split_.end(), -1);
   ::close(fd_);
   fd_ = -1;
 }
@@ -337,6 +355,8 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   const size_t E = size_t(cfg_.n_embd), QD = size_t(hl_) * size_t(cfg_.head_dim),
                KD = size_t(hkl_) * size_t(cfg_.head_dim), F = size_t(fl_);
   ffn_out_.assign(T * E, 0.f);
+  ffn_out2_.assign(T * E, 0.f);
+  part_.assign(T * E, 0.f);
   if (tp_.size > 1) logits_local_.assign(size_t(kMaxLogitRows) * size_t(cfg_.n_vocab - v0_), 0.f);
   x_.assign(T * E, 0.f);
   xn_.assign(T * E, 0.f);
@@ -377,17 +397,41 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
     exp_gate_.assign(T * K * FE, 0.f);
     exp_up_.assign(T * K * FE, 0.f);
     exp_out_.assign(T * K * E, 0.f);
+    exp_out2_.assign(fe_split_ > 0 ? T * K * E : 0, 0.f);
     exp_act_.assign(T * K * act_stride_, 0);
   }
 }
 
 void LlamaModel::quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool,
-                               uint8_t* dst) {
-  // Rows of x are k floats apart; quantized rows act_stride_ bytes apart.
+                               uint8_t* dst, int64_t ldx) {
+  // Rows of x are ldx (default k) floats apart; quantized rows act_stride_ bytes apart.
   if (!dst) dst = act_.data();
+  if (ldx == 0) ldx = k;
   pool.parallel_for(T, 8, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c) cpu::quantize_act_row(t, x + c * k, dst + size_t(c) * act_stride_, k);
+    for (int64_t c = b; c < e; ++c) cpu::quantize_act_row(t, x + c * ldx, dst + size_t(c) * act_stride_, k);
   });
+}
+
+Weight LlamaModel::kview(const Weight& w, int64_t c0, int64_t c1) {
+  Weight v = w;
+  v.data = w.data + row_bytes(w.type, c0);
+  v.k = c1 - c0;
+  return v;  // row_stride unchanged: a column range of every row
+}
+
+void LlamaModel::ksplit_matmul(const Weight& w, const float* x, int64_t T, int64_t ldx, int64_t split,
+                               float* y, float* scratch, ThreadPool& pool) {
+  if (split <= 0) {
+    quantize_acts(w.type, x, T, w.k, pool, nullptr, ldx);
+    matmul({{&w, y}}, T, pool);
+    return;
+  }
+  const Weight a = kview(w, 0, split), b = kview(w, split, w.k);
+  quantize_acts(w.type, x, T, split, pool, nullptr, ldx);
+  matmul({{&a, y}}, T, pool);
+  quantize_acts(w.type, x + split, T, w.k - split, pool, nullptr, ldx);
+  matmul({{&b, scratch}}, T, pool);
+  for (int64_t i = 0; i < T * w.rows; ++i) y[i] += scratch[i];  // partial + partial, as TP sums
 }
 
 void LlamaModel::run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool) {
@@ -456,25 +500,33 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   pool.parallel_for(R, 4, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) ops.silu_mul(FE, exp_gate_.data() + r * FE, exp_up_.data() + r * FE, exp_gate_.data() + r * FE);
   });
-  // 4. Down projections, then the weighted combine into the residual (slot order: fixed).
-  quantize_acts(L.down_exps.first.type, exp_gate_.data(), R, FE, pool, exp_act_.data());
-  jobs_.clear();
-  for (int64_t e = 0; e < NE; ++e) {
-    const int64_t off = exp_offset_[size_t(e)], c = exp_offset_[size_t(e + 1)] - off;
-    if (c == 0) continue;
-    jobs_.push_back({L.down_exps.expert(e), exp_act_.data() + size_t(off) * S, S, c, exp_out_.data() + off * E, E});
-  }
-  run_jobs(jobs_, pool);
-  for (int64_t t = 0; t < T; ++t) {
-    float* xt = ffn_out_.data() + t * E;
-    std::fill(xt, xt + E, 0.f);
-    for (int64_t k = 0; k < K; ++k) {
-      const float w = route_w_[size_t(t * K + k)];
-      const float* o = exp_out_.data() + int64_t(slot_of_[size_t(t * K + k)]) * E;
-      for (int64_t i = 0; i < E; ++i) xt[i] += w * o[i];
+  // 4. Down projections and the weighted combine (slot order: fixed), per split part: the
+  // partial sums TP ranks hold, added as the All-Reduce adds them.
+  const bool two = fe_split_ > 0;
+  for (int part = 0; part < (two ? 2 : 1); ++part) {
+    const int64_t c0 = part == 0 ? 0 : fe_split_, c1 = two && part == 0 ? fe_split_ : FE;
+    float* eo = part == 0 ? exp_out_.data() : exp_out2_.data();
+    quantize_acts(L.down_exps.first.type, exp_gate_.data() + c0, R, c1 - c0, pool, exp_act_.data(), FE);
+    jobs_.clear();
+    for (int64_t e = 0; e < NE; ++e) {
+      const int64_t off = exp_offset_[size_t(e)], c = exp_offset_[size_t(e + 1)] - off;
+      if (c == 0) continue;
+      jobs_.push_back({kview(L.down_exps.expert(e), c0, c1), exp_act_.data() + size_t(off) * S, S, c, eo + off * E, E});
+    }
+    run_jobs(jobs_, pool);
+    float* out = part == 0 ? ffn_out_.data() : ffn_out2_.data();
+    for (int64_t t = 0; t < T; ++t) {
+      float* xt = out + t * E;
+      std::fill(xt, xt + E, 0.f);
+      for (int64_t k = 0; k < K; ++k) {
+        const float w = route_w_[size_t(t * K + k)];
+        const float* o = eo + int64_t(slot_of_[size_t(t * K + k)]) * E;
+        for (int64_t i = 0; i < E; ++i) xt[i] += w * o[i];
+      }
     }
   }
-  // 5. Shared expert (always on), optionally scaled by a sigmoid gate.
+  // 5. Shared expert (always on), optionally scaled by a sigmoid gate; its down projection
+  // split like the experts' when emulating TP=2's sums.
   if (L.gate_shexp.rows > 0) {
     const int64_t FS = L.gate_shexp.rows;
     quantize_acts(L.gate_shexp.type, xn_.data(), T, E, pool);
@@ -483,20 +535,30 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
     jobs_.push_back({L.up_shexp, act_.data(), S, T, up_.data(), FS});
     run_jobs(jobs_, pool);
     for (int64_t t = 0; t < T; ++t) ops.silu_mul(FS, gate_.data() + t * FS, up_.data() + t * FS, gate_.data() + t * FS);
-    quantize_acts(L.down_shexp.type, gate_.data(), T, FS, pool);
-    float* sh = exp_out_.data();  // free again after the combine
-    matmul({{&L.down_shexp, sh}}, T, pool);
-    for (int64_t t = 0; t < T; ++t) {
-      float g = 1.f;
-      if (L.shexp_gate) {
-        float z = 0.f;
-        for (int64_t i = 0; i < E; ++i) z += xn_[size_t(t * E + i)] * L.shexp_gate[i];
-        g = 1.f / (1.f + std::exp(-z));
+    const int64_t split = fs_split_[size_t(layer)];
+    for (int part = 0; part < (two ? 2 : 1); ++part) {
+      const int64_t c0 = part == 0 || split <= 0 ? 0 : split;
+      const int64_t c1 = two && part == 0 && split > 0 ? split : FS;
+      float* sh = part_.data();
+      if (two && split <= 0 && part == 1) break;  // unsplittable shared expert: all in part 0
+      const Weight dw = kview(L.down_shexp, c0, c1);
+      quantize_acts(dw.type, gate_.data() + c0, T, c1 - c0, pool, nullptr, FS);
+      matmul({{&dw, sh}}, T, pool);
+      float* out = part == 0 ? ffn_out_.data() : ffn_out2_.data();
+      for (int64_t t = 0; t < T; ++t) {
+        float g = 1.f;
+        if (L.shexp_gate) {
+          float z = 0.f;
+          for (int64_t i = 0; i < E; ++i) z += xn_[size_t(t * E + i)] * L.shexp_gate[i];
+          g = 1.f / (1.f + std::exp(-z));
+        }
+        float* xt = out + t * E;
+        for (int64_t i = 0; i < E; ++i) xt[i] += g * sh[t * E + i];
       }
-      float* xt = ffn_out_.data() + t * E;
-      for (int64_t i = 0; i < E; ++i) xt[i] += g * sh[t * E + i];
     }
   }
+  if (two)
+    for (int64_t i = 0; i < T * E; ++i) ffn_out_[size_t(i)] += ffn_out2_[size_t(i)];
 }
 
 void LlamaModel::rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const {
@@ -615,8 +677,8 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
       }
     });
     attention(batch, il, kv, pool);
-    quantize_acts(L.wo.type, attn_.data(), T, QD, pool);
-    matmul({{&L.wo, xn_.data()}}, T, pool);
+    ksplit_matmul(L.wo, attn_.data(), T, QD, kv_split_ > 0 ? kv_split_ * (cfg_.n_head / cfg_.n_head_kv) * D : -1,
+                  xn_.data(), part_.data(), pool);
     reduce(xn_.data(), T * E);  // TP: sum of the ranks' partial projections
     for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
 
@@ -633,8 +695,7 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
       for (int64_t t = b; t < e; ++t)
         ops.silu_mul(F, gate_.data() + t * F, up_.data() + t * F, gate_.data() + t * F);
     });
-    quantize_acts(L.w_down.type, gate_.data(), T, F, pool);
-    matmul({{&L.w_down, xn_.data()}}, T, pool);
+    ksplit_matmul(L.w_down, gate_.data(), T, F, f_split_, xn_.data(), part_.data(), pool);
     reduce(xn_.data(), T * E);
     for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
   }

@@ -123,7 +123,14 @@ class LlamaModel {
   void reduce(float* data, int64_t n);
   const float* load_vector(const std::string& name, int64_t n, bool required = true);
   void quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool,
-                     uint8_t* dst = nullptr);
+                     uint8_t* dst = nullptr, int64_t ldx = 0);
+  // A column range [c0, c1) of every row of w, as a view.
+  static Weight kview(const Weight& w, int64_t c0, int64_t c1);
+  // y = W . x with the reduction split at `split` (<= 0: not split) into two partial sums
+  // added in one fixed order, exactly as TP=2 ranks and their All-Reduce compute it.
+  void ksplit_matmul(const Weight& w, const float* x, int64_t T, int64_t ldx, int64_t split, float* y,
+                     float* scratch, ThreadPool& pool);
+  void plan_splits();
   // y[c * ldy + r] for each weight in ws against the activations last quantized.
   void matmul(std::initializer_list<std::pair<const Weight*, float*>> ws, int64_t T,
               ThreadPool& pool);
@@ -145,6 +152,9 @@ class LlamaModel {
   int fd_ = -1;  // for pread of column slices during load
   // Local (this rank's) extents: query/KV heads, FFN widths, vocabulary rows.
   int64_t hl_ = 0, hkl_ = 0, fl_ = 0, fel_ = 0, v0_ = 0, v1_ = 0;
+  // Split points of the reductions (see plan_splits); -1 = not split on this rank.
+  int64_t kv_split_ = -1, f_split_ = -1, fe_split_ = -1;
+  std::vector<int64_t> fs_split_;
   uint64_t weight_bytes_ = 0;
   int64_t shexp_width_ = 0;  // widest shared expert FFN
 
@@ -152,11 +162,12 @@ class LlamaModel {
   int max_tokens_ = 0;
   int64_t max_ctx_ = 0;
   int n_threads_ = 1;
-  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, rope_cs_, scores_, ffn_out_, logits_local_;
+  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, rope_cs_, scores_, ffn_out_, ffn_out2_, part_,
+      logits_local_;
   std::vector<uint8_t> act_;
   size_t act_stride_ = 0;
   // MoE scratch: router logits, routing, per-expert token lists, gathered activations.
-  std::vector<float> router_logits_, route_w_, route_scratch_, exp_gate_, exp_up_, exp_out_;
+  std::vector<float> router_logits_, route_w_, route_scratch_, exp_gate_, exp_up_, exp_out_, exp_out2_;
   std::vector<int32_t> route_ids_, exp_count_, exp_offset_, exp_rows_;  // exp_rows_: token of each slot
   std::vector<int32_t> slot_of_;        // [T * n_used] -> row in expert order
   std::vector<uint8_t> exp_act_;
