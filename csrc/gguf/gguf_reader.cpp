@@ -615,4 +615,8 @@ bool GgufFile::get_bool(const std::string& key, bool def) const {
   wrong_type(path_, key, *v, "bool");
 }
 
+void GgufFile::advise_random() const {
+  if (base_ && size_ > 0) madvise(const_cast<uint8_t*>(base_), size_t(size_), MADV_RANDOM);
+}
+
 }  // namespace tf

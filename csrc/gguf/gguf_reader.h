@@ -59,6 +59,9 @@ class GgufFile {
   uint64_t data_offset() const { return data_offset_; }
   uint64_t alignment() const { return alignment_; }
   const uint8_t* base() const { return base_; }
+  // Random-access hint for the whole mapping: no read-ahead and no fault-around, so a
+  // process that reads only some tensor ranges (a TP rank) maps only the pages it touches.
+  void advise_random() const;
 
   const std::vector<std::pair<std::string, GgufValue>>& metadata() const { return kv_; }
   const GgufValue* find(const std::string& key) const;

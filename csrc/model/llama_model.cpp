@@ -84,7 +84,13 @@ const float* LlamaModel::load_vector(const std::string& name, int64_t n, bool re
     fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " has shape ", shape_str(t->ne),
          ", expected [", n, "]");
   weight_bytes_ += t->nbytes;
-  if (t->type() == GgmlType::F32) return reinterpret_cast<const float*>(t->data);
+  if (t->type() == GgmlType::F32 && tp_.size == 1) return reinterpret_cast<const float*>(t->data);
+  if (t->type() == GgmlType::F32) {
+    // TP: a private copy, so the mapping's pages (and their neighbours) stay untouched.
+    owned_vectors_.emplace_back(size_t(n));
+    read_at(t->offset, owned_vectors_.back().data(), size_t(n) * sizeof(float), false);
+    return owned_vectors_.back().data();
+  }
   if (!t->type_supported)
     fail(ErrorKind::Unsupported, file_->path(), ": tensor ", name, " has an unsupported type");
   // Small vectors in other formats are converted once at load.
@@ -98,6 +104,7 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
   TF_CHECK(tp_.size == 1 || (tp_.size == 2 && tp_.group), "tensor parallel size must be 1 or 2 (with a group)");
   TF_CHECK(tp_.rank >= 0 && tp_.rank < tp_.size, "TP rank ", tp_.rank, " is out of range");
   if (tp_.size > 1) {
+    file_->advise_random();  // the mapping serves only the header and embedding rows now
     fd_ = ::open(file_->path().c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) fail(ErrorKind::InvalidInput, file_->path(), ": cannot open for reading");
   }
@@ -176,7 +183,9 @@ LlamaModel::~LlamaModel() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-void LlamaModel::read_at(uint64_t offset, void* dst, size_t n) const {
+void LlamaModel::read_at(uint64_t offset, void* dst, size_t n, bool drop_cache) const {
+  const uint64_t start = offset;
+  const size_t total = n;
   auto* p = static_cast<uint8_t*>(dst);
   while (n > 0) {
     const ssize_t r = ::pread(fd_, p, n, off_t(offset));
@@ -185,19 +194,32 @@ void LlamaModel::read_at(uint64_t offset, void* dst, size_t n) const {
     offset += uint64_t(r);
     n -= size_t(r);
   }
+  // The private copy is what stays resident; don't also keep the file's pages cached.
+  if (drop_cache) ::posix_fadvise(fd_, off_t(start), off_t(total), POSIX_FADV_DONTNEED);
 }
 
-Weight LlamaModel::slice_rows(const Weight& w, int64_t r0, int64_t r1) const {
+Weight LlamaModel::slice_rows(const Weight& w, int64_t r0, int64_t r1) {
   Weight s = w;
-  s.data = w.data + size_t(r0) * w.row_stride;
   s.rows = r1 - r0;
+  const size_t n = w.row_stride * size_t(s.rows);
+  owned_weights_.emplace_back(new uint8_t[n]);
+  read_at(uint64_t(w.data - file_->base()) + uint64_t(r0) * w.row_stride, owned_weights_.back().get(), n);
+  s.data = owned_weights_.back().get();
   return s;
 }
 
-ExpertWeight LlamaModel::slice_rows(const ExpertWeight& w, int64_t r0, int64_t r1) const {
+ExpertWeight LlamaModel::slice_rows(const ExpertWeight& w, int64_t r0, int64_t r1) {
   ExpertWeight s = w;
-  s.first = slice_rows(w.first, r0, r1);
-  return s;  // expert_stride unchanged: each expert's row range is a view
+  s.first.rows = r1 - r0;
+  const size_t per = w.first.row_stride * size_t(s.first.rows);
+  s.expert_stride = per;
+  owned_weights_.emplace_back(new uint8_t[per * size_t(w.n_expert)]);
+  uint8_t* dst = owned_weights_.back().get();
+  const uint64_t base = uint64_t(w.first.data - file_->base());
+  for (int64_t e = 0; e < w.n_expert; ++e)
+    read_at(base + uint64_t(e) * w.expert_stride + uint64_t(r0) * w.first.row_stride, dst + size_t(e) * per, per);
+  s.first.data = dst;
+  return s;
 }
 
 Weight LlamaModel::slice_cols(const Weight& w, int64_t c0, int64_t c1) {
@@ -329,8 +351,7 @@ void LlamaModel::shard_weights() {
   // Under TP each rank holds one part of every split sum: no further splitting.
   kv_split_ = f_split_ = fe_split_ = -1;
   std::fill(fs_split_.begin(), fs_split_.end(), -1);
-  ::close(fd_);
-  fd_ = -1;
+  emb_row_.assign(tok_embd_.row_stride, 0);
 }
 
 void LlamaModel::reduce(float* data, int64_t n) {
@@ -630,7 +651,13 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
     const BatchToken& bt = batch[size_t(t)];
     TF_CHECK(bt.token >= 0 && bt.token < cfg_.n_vocab, "token id ", bt.token, " out of range");
     TF_CHECK(bt.pos >= 0 && bt.pos < max_ctx_, "position ", bt.pos, " exceeds the context");
-    emb_tr.dequantize_ref(tok_embd_.data + size_t(bt.token) * tok_embd_.row_stride, x_.data() + t * E, E);
+    const uint8_t* row = tok_embd_.data + size_t(bt.token) * tok_embd_.row_stride;
+    if (tp_.size > 1) {
+      // Under TP the mapping stays untouched: read the one embedding row.
+      read_at(uint64_t(row - file_->base()), emb_row_.data(), tok_embd_.row_stride, false);
+      row = emb_row_.data();
+    }
+    emb_tr.dequantize_ref(row, x_.data() + t * E, E);
     float theta = float(bt.pos);
     float* cs = rope_cs_.data() + t * rd;
     for (int i = 0; i < rd / 2; ++i) {

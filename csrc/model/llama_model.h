@@ -4,10 +4,10 @@
 //
 // Tensor parallel (TP=2): each rank holds a contiguous range of KV heads (and their query
 // heads), half of every FFN's intermediate dimension (dense, each expert, shared expert) and
-// half of the vocabulary rows of the LM head. Row ranges are views into the mapping (other
-// pages are never touched); ranges of the input dimension (attn_output, ffn_down, experts'
-// down) are read into private buffers with pread, so a rank keeps only its half resident.
-// The output projection and the FFN produce partial sums, combined by one All-Reduce each.
+// half of the vocabulary rows of the LM head. Its slices are read with pread into private
+// buffers (the file's cached pages are dropped after), so a rank keeps only its half
+// resident; the mapping then serves only the header and embedding rows. The output
+// projection and the FFN produce partial sums, combined by one All-Reduce each.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -115,11 +115,11 @@ class LlamaModel {
   ExpertWeight load_experts(const std::string& name, int64_t k, int64_t rows, int64_t n_expert);
   // TP slicing (see the header comment).
   void shard_weights();
-  Weight slice_rows(const Weight& w, int64_t r0, int64_t r1) const;
-  ExpertWeight slice_rows(const ExpertWeight& w, int64_t r0, int64_t r1) const;
+  Weight slice_rows(const Weight& w, int64_t r0, int64_t r1);
+  ExpertWeight slice_rows(const ExpertWeight& w, int64_t r0, int64_t r1);
   Weight slice_cols(const Weight& w, int64_t c0, int64_t c1);
   ExpertWeight slice_cols(const ExpertWeight& w, int64_t c0, int64_t c1);
-  void read_at(uint64_t offset, void* dst, size_t n) const;
+  void read_at(uint64_t offset, void* dst, size_t n, bool drop_cache = true) const;
   void reduce(float* data, int64_t n);
   const float* load_vector(const std::string& name, int64_t n, bool required = true);
   void quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool,
@@ -149,7 +149,8 @@ class LlamaModel {
   std::vector<std::vector<float>> owned_vectors_;  // norms stored as F16/BF16, converted once
   std::vector<std::unique_ptr<uint8_t[]>> owned_weights_;  // TP column slices
   TpShard tp_;
-  int fd_ = -1;  // for pread of column slices during load
+  int fd_ = -1;  // TP: the file, read with pread (slices at load, embedding rows per token)
+  std::vector<uint8_t> emb_row_;
   // Local (this rank's) extents: query/KV heads, FFN widths, vocabulary rows.
   int64_t hl_ = 0, hkl_ = 0, fl_ = 0, fel_ = 0, v0_ = 0, v1_ = 0;
   // Split points of the reductions (see plan_splits); -1 = not split on this rank.
