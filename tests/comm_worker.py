@@ -155,11 +155,26 @@ def mode_railfail(rank: int, port: int, args: dict) -> dict:
     return out
 
 
+def mode_close(rank: int, port: int, args: dict) -> dict:
+    """Rank 1 closes after one collective; rank 0's next collective must fail promptly."""
+    g = connect(rank, port)
+    check_all_reduce(g, rank, 1000, "f32", seed=5)
+    if rank == 1:
+        g.close()
+        return {"error": None}
+    t = time.monotonic()
+    try:
+        check_all_reduce(g, rank, 1000, "f32", seed=6)
+    except RuntimeError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t}
+    return {"error": None}
+
+
 def main() -> None:
     mode, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     args = dict(a.split("=", 1) for a in sys.argv[4:])
     res = {"mode_suite": mode_suite, "mode_handshake": mode_handshake, "mode_loop": mode_loop,
-           "mode_railfail": mode_railfail}["mode_" + mode](rank, port, args)
+           "mode_railfail": mode_railfail, "mode_close": mode_close}["mode_" + mode](rank, port, args)
     print("RESULT " + json.dumps(res), flush=True)
 
 

@@ -151,6 +151,12 @@ def test_rail_failure_mid_transfer_fails_over(killer, rail, after, n):
     assert "injected" in (r0, r1)[killer]["down_reason"][rail]
 
 
+def test_peer_close_is_reported():
+    r0, _ = run_pair("close")
+    assert "peer lost" in r0["error"] and "peer closed the group" in r0["error"], r0
+    assert r0["seconds"] < 2, r0
+
+
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_peer_lost_is_an_error_within_timeout(how):
     timeout = 2.0

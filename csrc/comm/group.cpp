@@ -6,6 +6,7 @@
 //   DATA {seq, total, offset, len}: bytes [offset, offset+len) of the sender's message for
 //        collective number `seq` (both ranks number collectives identically).
 //   DONE {seq}: "I have received all your data for every collective <= seq" (cumulative).
+//   BYE: the peer closed the group on purpose (sent on every rail before closing).
 // Every collective is an exchange: each rank sends its message (possibly none) and receives
 // the peer's (possibly none). A rank's message is either
 //   * small (<= small_bytes): one DATA on one rail, no chunking. The sender keeps a copy
@@ -44,7 +45,7 @@ namespace {
 
 constexpr uint32_t kMsgMagic = 0x54464331;  // "TFC1"
 constexpr const char* kProtocol = "tensorfold-comm 1";
-constexpr uint32_t kData = 1, kDone = 2;
+constexpr uint32_t kData = 1, kDone = 2, kBye = 3;
 enum OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kBarrier = 3 };
 
 struct Header {
@@ -205,6 +206,32 @@ class PairGroup final : public Group {
         fail_after_(new std::atomic<int64_t>[static_cast<size_t>(tr_->num_rails())]) {
     for (int r = 0; r < nr(); ++r) fail_after_[r].store(-1);
     publish_stats();
+  }
+
+  // Say goodbye on every live rail (so the peer reports "peer closed the group" rather than a
+  // rail failure), best effort and briefly bounded; the transport then closes gracefully.
+  ~PairGroup() override {
+    if (!broken_.empty()) return;
+    try {
+      for (int r = 0; r < nr(); ++r) {
+        if (!tr_->up(r) || !rails_[size_t(r)].txq.empty()) continue;
+        TxItem it;
+        it.h = {kMsgMagic, kBye, seq_, 0, 0, 0};
+        rails_[size_t(r)].txq.push_back(std::move(it));
+      }
+      const Deadline dl = deadline_after(std::min(timeout_s_, 0.5));
+      std::vector<uint8_t> want_rx(rails_.size(), 0), want_tx(rails_.size(), 1), rx, tx;
+      for (;;) {
+        bool busy = false;
+        for (int r = 0; r < nr(); ++r) {
+          if (tr_->up(r)) pump_tx(r);
+          if (tr_->up(r) && !rails_[size_t(r)].txq.empty()) busy = true;
+        }
+        if (!busy || Clock::now() >= dl) break;
+        tr_->wait(want_rx, want_tx, 5, rx, tx);
+      }
+    } catch (...) {
+    }
   }
 
   int rank() const override { return rank_; }
@@ -501,13 +528,19 @@ class PairGroup final : public Group {
   void on_header(Op& op, int r) {
     RailState& rs = rails_[size_t(r)];
     const Header& h = rs.rh;
-    if (h.magic != kMsgMagic || (h.type != kDone && (h.type & 0xff) != kData)) {
+    if (h.magic != kMsgMagic || (h.type != kDone && h.type != kBye && (h.type & 0xff) != kData)) {
       tr_->fail_rail(r, "protocol error (bad message header)");
       return;
     }
     TF_COMM_TRACE("rail %d got %s seq=%llu off=%llu len=%llu (in op %llu)", r, h.type == kDone ? "DONE" : "DATA",
                   (unsigned long long)h.seq, (unsigned long long)h.offset, (unsigned long long)h.len,
                   (unsigned long long)op.seq);
+    if (h.type == kBye) {
+      peer_closed_ = true;
+      rs.rh_got = 0;
+      tr_->fail_rail(r, "peer closed the group");
+      return;
+    }
     if (h.type == kDone) {
       note_ack(h.seq);
       rs.rh_got = 0;
@@ -543,9 +576,23 @@ class PairGroup final : public Group {
     rs.rh_got = 0;
   }
 
+  // True once this collective needs nothing more from the peer.
+  bool complete_able(const Op& op) const {
+    return recv_complete(op) && (!op.has_send || !op.large || acked_ >= op.seq);
+  }
+  bool tx_idle(const Op& op) const {
+    for (const auto& rs : rails_)
+      for (const auto& it : rs.txq)
+        if (!(it.user_mem && it.sent == 0 && acked_ >= op.seq)) return false;
+    return true;
+  }
+
   bool pump_rx(Op& op, int r) {
     RailState& rs = rails_[size_t(r)];
     bool progressed = false;
+    // Leave later input (the next collective, or the peer's goodbye after its last one) in
+    // the socket once this collective is finished.
+    if (complete_able(op) && tx_idle(op)) return false;
     size_t budget = size_t(8) << 20;
     while (budget > 0 && tr_->up(r)) {
       long k;
@@ -553,7 +600,10 @@ class PairGroup final : public Group {
         k = tr_->recv_some(r, reinterpret_cast<uint8_t*>(&rs.rh) + rs.rh_got, sizeof(Header) - rs.rh_got);
         if (k <= 0) break;
         rs.rh_got += size_t(k);
-        if (rs.rh_got == sizeof(Header)) on_header(op, r);
+        if (rs.rh_got == sizeof(Header)) {
+          on_header(op, r);
+          if (!rs.in_body && rs.rh_got == 0 && complete_able(op)) budget = 0;
+        }
       } else {
         const size_t left = rs.rh.len - rs.body_got;
         if (rs.sink == Sink::Discard)
@@ -562,7 +612,10 @@ class PairGroup final : public Group {
           k = tr_->recv_some(r, rs.sink_ptr + rs.body_got, std::min(left, budget));
         if (k <= 0) break;
         rs.body_got += size_t(k);
-        if (rs.body_got == rs.rh.len) on_body_done(op, r);
+        if (rs.body_got == rs.rh.len) {
+          on_body_done(op, r);
+          if (complete_able(op)) budget = 0;
+        }
       }
       rs.bytes_received += uint64_t(k);
       budget -= std::min(budget, size_t(k));
@@ -619,7 +672,7 @@ class PairGroup final : public Group {
       RailState& rs = rails_[size_t(r)];
       if (tr_->up(r) || rs.handled_down) continue;
       rs.handled_down = true;
-      ++rail_failures_;
+      if (!peer_closed_) ++rail_failures_;
       TF_COMM_TRACE("rail %d down: %s (txq=%zu assigned=%zu)", r, tr_->down_reason(r).c_str(), rs.txq.size(),
                     rs.assigned.size());
       rs.txq.clear();
@@ -774,6 +827,7 @@ class PairGroup final : public Group {
   GroupStats stats_;
   uint64_t rail_failures_ = 0;
   std::string broken_;
+  bool peer_closed_ = false;
 
   uint64_t seq_ = 0;        // collectives started
   uint64_t acked_ = 0;      // peer has all our data up to this collective
