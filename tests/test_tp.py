@@ -128,13 +128,29 @@ def test_peer_killed_mid_generation_raises_within_timeout(tiny_moe):
         pair.worker.wait()
 
 
-def test_worker_killed_rank0_loss_is_reported_by_worker(tiny_moe):
-    pair = Pair(tiny_moe)
-    pair.engine.generate([5, 6], max_tokens=2, temperature=0)
-    # Rank 0 vanishes without a shutdown: the worker must exit with an error, not hang.
-    pair.engine._core = None  # regular close sends shutdown: simulate a crash instead
-    pair.worker.wait(timeout=40)
-    assert pair.worker.returncode in (0, 1)  # shutdown (destructor) or error; never a hang
+def test_rank0_killed_worker_exits_with_error(tiny_moe):
+    """Rank 0 crashes (SIGKILL, no shutdown message): the worker reports the lost peer and
+    exits with an error within its timeout, never hangs."""
+    port = free_port()
+    worker = start_worker(tiny_moe, port, "-c", "256")
+    leader = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, tensorfold\n"
+        f"e = tensorfold.Engine({tiny_moe!r}, threads=1, context=256, tp=2, rank=0, peer='127.0.0.1:{port}', timeout=10)\n"
+        "e.generate([5, 6], max_tokens=2, temperature=0)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert leader.stdout.readline().strip() == "ready"
+        leader.send_signal(signal.SIGKILL)
+        leader.wait()
+        t0 = time.monotonic()
+        _, err = worker.communicate(timeout=30)
+        assert time.monotonic() - t0 < 10 + 5
+        assert worker.returncode == 1 and "error" in err and "Traceback" not in err
+    finally:
+        for p in (leader, worker):
+            if p.poll() is None:
+                p.kill()
 
 
 def test_mismatched_ranks_are_refused(tiny_moe):
