@@ -114,7 +114,8 @@ def main() -> int:
     for name, r in (("rank 0", r0), ("rank 1", rw)):
         print(f"  {name}: process RSS {r['rss'] / 2**20:.0f} MiB ({r['rss'] / r1['rss']:.2f}x TP=1 incl. Python), "
               f"resident weights = mapped {r['mapped'] / 2**20:.1f} MiB + private {r['weights'] / 2**20:.1f} MiB "
-              f"= {(r['mapped'] + r['weights']) / base:.2f}x TP=1's")
+              f"= {(r['mapped'] + r['weights']) / base:.2f}x TP=1's resident, "
+              f"{(r['mapped'] + r['weights']) / r1['weights']:.2f}x all of TP=1's weights")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include <fcntl.h>
@@ -222,6 +223,16 @@ ExpertWeight LlamaModel::slice_rows(const ExpertWeight& w, int64_t r0, int64_t r
   return s;
 }
 
+ExpertWeight LlamaModel::slice_experts(const ExpertWeight& w, int64_t e0, int64_t e1) {
+  ExpertWeight s = w;
+  s.n_expert = e1 - e0;
+  const size_t n = w.expert_stride * size_t(s.n_expert);
+  owned_weights_.emplace_back(new uint8_t[n]);
+  read_at(uint64_t(w.first.data - file_->base()) + uint64_t(e0) * w.expert_stride, owned_weights_.back().get(), n);
+  s.first.data = owned_weights_.back().get();
+  return s;  // expert e of the model is local expert e - e0
+}
+
 Weight LlamaModel::slice_cols(const Weight& w, int64_t c0, int64_t c1) {
   Weight s = w;
   s.k = c1 - c0;
@@ -277,6 +288,18 @@ void LlamaModel::plan_splits() {
   }
   f_split_ = cfg_.n_ff > 0 ? point(cfg_.n_ff, al_ff) : -1;
   fe_split_ = cfg_.is_moe() ? point(cfg_.n_ff_exp, al_exp) : -1;
+  // Experts are split by width when the width halves evenly on block boundaries (every rank
+  // works on every token); otherwise by expert index (expert-parallel: whole experts per
+  // rank). TENSORFOLD_TP_EXPERTS=width|experts forces one (for measuring both).
+  expert_parallel_ = false;
+  if (cfg_.is_moe() && cfg_.n_expert >= 2) {
+    const char* force = std::getenv("TENSORFOLD_TP_EXPERTS");
+    const bool even = fe_split_ > 0 && 2 * fe_split_ == cfg_.n_ff_exp;
+    expert_parallel_ = force ? std::string(force) == "experts" : !even;
+    if (force && std::string(force) == "width" && fe_split_ < 0) expert_parallel_ = true;
+  }
+  if (expert_parallel_) fe_split_ = -1;
+  expert_group_ = cfg_.n_expert / 2;
   fs_split_.assign(layers_.size(), -1);
   for (size_t i = 0; i < layers_.size(); ++i)
     if (layers_[i].gate_shexp.rows > 0) fs_split_[i] = point(layers_[i].gate_shexp.rows, block_of(layers_[i].down_shexp));
@@ -304,7 +327,13 @@ void LlamaModel::shard_weights() {
   int64_t f0 = 0, f1 = 0, e0 = 0, e1 = 0;
   if (std::any_of(layers_.begin(), layers_.end(), [](const LayerWeights& L) { return !L.moe; }))
     range(cfg_.n_ff, need(f_split_, "the FFN width"), f0, f1);
-  if (cfg_.is_moe()) range(cfg_.n_ff_exp, need(fe_split_, "the expert FFN width"), e0, e1);
+  if (cfg_.is_moe() && !expert_parallel_) range(cfg_.n_ff_exp, need(fe_split_, "the expert FFN width"), e0, e1);
+  if (expert_parallel_) {
+    e0 = 0;
+    e1 = cfg_.n_ff_exp;
+    exp_lo_ = r == 0 ? 0 : expert_group_;
+    exp_hi_ = r == 0 ? expert_group_ : cfg_.n_expert;
+  }
   fl_ = f1 - f0;
   fel_ = e1 - e0;
   const int64_t vsplit = cfg_.n_vocab / 2;
@@ -327,11 +356,17 @@ void LlamaModel::shard_weights() {
     L.wo = slice_cols(L.wo, q0 * D, (q0 + hl_) * D);
     count(L.wq); count(L.wk); count(L.wv); count(L.wo);
     if (L.moe) {
-      L.gate_exps = slice_rows(L.gate_exps, e0, e1);
-      L.up_exps = slice_rows(L.up_exps, e0, e1);
-      L.down_exps = slice_cols(L.down_exps, e0, e1);
-      weight_bytes_ += (2 * L.gate_exps.first.row_stride * uint64_t(fel_) +
-                        L.down_exps.first.row_stride * uint64_t(cfg_.n_embd)) * uint64_t(cfg_.n_expert);
+      if (expert_parallel_) {
+        L.gate_exps = slice_experts(L.gate_exps, exp_lo_, exp_hi_);
+        L.up_exps = slice_experts(L.up_exps, exp_lo_, exp_hi_);
+        L.down_exps = slice_experts(L.down_exps, exp_lo_, exp_hi_);
+      } else {
+        L.gate_exps = slice_rows(L.gate_exps, e0, e1);
+        L.up_exps = slice_rows(L.up_exps, e0, e1);
+        L.down_exps = slice_cols(L.down_exps, e0, e1);
+      }
+      weight_bytes_ += (L.gate_exps.expert_stride + L.up_exps.expert_stride + L.down_exps.expert_stride) *
+                       uint64_t(L.gate_exps.n_expert);
       count(L.router);
       if (L.gate_shexp.rows > 0) {
         int64_t s0, s1;
@@ -509,12 +544,14 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   const int64_t R = T * K;
   for (int64_t r = 0; r < R; ++r)
     std::memcpy(exp_act_.data() + size_t(r) * S, act_.data() + size_t(exp_rows_[size_t(r)]) * S, S);
+  // Experts this rank computes: all of them, or its half under expert-parallel TP.
+  const int64_t lo = exp_lo_, hi = exp_hi_ > 0 ? exp_hi_ : NE;
   jobs_.clear();
-  for (int64_t e = 0; e < NE; ++e) {
+  for (int64_t e = lo; e < hi; ++e) {
     const int64_t off = exp_offset_[size_t(e)], c = exp_offset_[size_t(e + 1)] - off;
     if (c == 0) continue;
-    jobs_.push_back({L.gate_exps.expert(e), exp_act_.data() + size_t(off) * S, S, c, exp_gate_.data() + off * FE, FE});
-    jobs_.push_back({L.up_exps.expert(e), exp_act_.data() + size_t(off) * S, S, c, exp_up_.data() + off * FE, FE});
+    jobs_.push_back({L.gate_exps.expert(e - lo), exp_act_.data() + size_t(off) * S, S, c, exp_gate_.data() + off * FE, FE});
+    jobs_.push_back({L.up_exps.expert(e - lo), exp_act_.data() + size_t(off) * S, S, c, exp_up_.data() + off * FE, FE});
   }
   run_jobs(jobs_, pool);
   const cpu::VecOps& ops = cpu::vec_ops();
@@ -523,8 +560,30 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   });
   // 4. Down projections and the weighted combine (slot order: fixed), per split part: the
   // partial sums TP ranks hold, added as the All-Reduce adds them.
-  const bool two = fe_split_ > 0;
-  for (int part = 0; part < (two ? 2 : 1); ++part) {
+  const bool ep = expert_parallel_;
+  const bool two = fe_split_ > 0 || (ep && tp_.size == 1);
+  if (ep) {
+    quantize_acts(L.down_exps.first.type, exp_gate_.data(), R, FE, pool, exp_act_.data());
+    jobs_.clear();
+    for (int64_t e = lo; e < hi; ++e) {
+      const int64_t off = exp_offset_[size_t(e)], c = exp_offset_[size_t(e + 1)] - off;
+      if (c == 0) continue;
+      jobs_.push_back({L.down_exps.expert(e - lo), exp_act_.data() + size_t(off) * S, S, c, exp_out_.data() + off * E, E});
+    }
+    run_jobs(jobs_, pool);
+    std::fill(ffn_out_.begin(), ffn_out_.begin() + T * E, 0.f);
+    if (two) std::fill(ffn_out2_.begin(), ffn_out2_.begin() + T * E, 0.f);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = route_ids_[size_t(t * K + k)];
+        if (e < lo || e >= hi) continue;  // another rank's expert
+        float* xt = (two && e >= expert_group_ ? ffn_out2_.data() : ffn_out_.data()) + t * E;
+        const float w = route_w_[size_t(t * K + k)];
+        const float* o = exp_out_.data() + int64_t(slot_of_[size_t(t * K + k)]) * E;
+        for (int64_t i = 0; i < E; ++i) xt[i] += w * o[i];
+      }
+  }
+  for (int part = 0; part < (ep ? 0 : (two ? 2 : 1)); ++part) {
     const int64_t c0 = part == 0 ? 0 : fe_split_, c1 = two && part == 0 ? fe_split_ : FE;
     float* eo = part == 0 ? exp_out_.data() : exp_out2_.data();
     quantize_acts(L.down_exps.first.type, exp_gate_.data() + c0, R, c1 - c0, pool, exp_act_.data(), FE);

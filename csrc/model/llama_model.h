@@ -118,6 +118,7 @@ class LlamaModel {
   Weight slice_rows(const Weight& w, int64_t r0, int64_t r1);
   ExpertWeight slice_rows(const ExpertWeight& w, int64_t r0, int64_t r1);
   Weight slice_cols(const Weight& w, int64_t c0, int64_t c1);
+  ExpertWeight slice_experts(const ExpertWeight& w, int64_t e0, int64_t e1);
   ExpertWeight slice_cols(const ExpertWeight& w, int64_t c0, int64_t c1);
   void read_at(uint64_t offset, void* dst, size_t n, bool drop_cache = true) const;
   void reduce(float* data, int64_t n);
@@ -155,6 +156,9 @@ class LlamaModel {
   int64_t hl_ = 0, hkl_ = 0, fl_ = 0, fel_ = 0, v0_ = 0, v1_ = 0;
   // Split points of the reductions (see plan_splits); -1 = not split on this rank.
   int64_t kv_split_ = -1, f_split_ = -1, fe_split_ = -1;
+  bool expert_parallel_ = false;  // experts split by index instead of by width
+  int64_t expert_group_ = 0;      // first expert of the second half
+  int64_t exp_lo_ = 0, exp_hi_ = 0;  // this rank's experts (hi 0: all)
   std::vector<int64_t> fs_split_;
   uint64_t weight_bytes_ = 0;
   int64_t shexp_width_ = 0;  // widest shared expert FFN
