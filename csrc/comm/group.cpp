@@ -36,6 +36,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "comm/ibverbs_transport.h"
 #include "comm/transport.h"
 #include "core/error.h"
 #include "core/half.h"
@@ -703,10 +704,26 @@ class PairGroup final : public Group {
     return first_live() >= 0;
   }
 
-  void check_stalls(Clock::time_point now) {
+  void check_stalls(Clock::time_point now, Clock::time_point last_progress) {
     // A rail with queued output that has not moved for half the timeout while another rail
     // kept moving is treated as lost (a silently dead link never reports an error).
     const auto stall = std::chrono::duration<double>(timeout_s_ / 2);
+    // Nothing moved at all for half the timeout while two or more rails are up: data we
+    // sent is sitting in a dead link's socket buffer (a small message, or the last chunks
+    // of a large one). Both ranks get here; each drops the rail its unacknowledged data went
+    // out on, and handle_down() re-sends that data on the others (duplicates are dropped).
+    int live = 0;
+    for (int r = 0; r < nr(); ++r) live += tr_->up(r) ? 1 : 0;
+    if (now - last_progress > stall && live >= 2) {
+      int victim = -1;
+      for (const auto& rt : retained_)
+        if (tr_->up(rt.rail)) { victim = rt.rail; break; }
+      for (int r = 0; r < nr() && victim < 0; ++r)
+        if (tr_->up(r) && !rails_[size_t(r)].assigned.empty()) victim = r;
+      if (victim < 0) victim = first_live();
+      tr_->fail_rail(victim, "stalled (nothing moved for half the timeout)");
+      return;
+    }
     Clock::time_point best{};
     for (int r = 0; r < nr(); ++r)
       if (tr_->up(r)) best = std::max(best, rails_[size_t(r)].last_tx_progress);
@@ -789,7 +806,7 @@ class PairGroup final : public Group {
       if (now - last_progress > timeout)
         lost_peer("no progress for " + std::to_string(timeout_s_) + " s (collective #" +
                   std::to_string(op.seq) + " " + kind_name(op.kind) + ")");
-      check_stalls(now);
+      check_stalls(now, last_progress);
       for (int r = 0; r < nr(); ++r) {
         want_rx[size_t(r)] = 1;
         want_tx[size_t(r)] = !rails_[size_t(r)].txq.empty();
@@ -899,7 +916,7 @@ std::unique_ptr<Group> Group::create(const GroupOptions& opts) {
   TF_CHECK(opts.small_bytes <= (size_t(64) << 20), "small_bytes must be <= 64 MiB");
   TF_CHECK(opts.chunk_bytes >= 4096 && opts.chunk_bytes <= (size_t(256) << 20),
            "chunk_bytes must be in [4 KiB, 256 MiB], got ", opts.chunk_bytes);
-  if (opts.transport == "ibverbs") fail(ErrorKind::Unsupported, "ibverbs transport not built");
+  if (opts.transport == "ibverbs") ibverbs_preflight(opts);  // clear error before connecting
   if (opts.size == 1) return std::make_unique<SoloGroup>();
   if (opts.size > 2)
     fail(ErrorKind::Unsupported, "comm group size ", opts.size,
@@ -942,7 +959,8 @@ std::unique_ptr<Group> Group::create(const GroupOptions& opts) {
   const size_t small_bytes = o.rank == 0 ? o.small_bytes : num(peer["small"]);
   const size_t chunk_bytes = o.rank == 0 ? o.chunk_bytes : num(peer["chunk"]);
   const int n_rails = std::min(my_rails, static_cast<int>(num(peer["rails"])));
-  auto tr = tcp_transport(opts, n_rails, *boot, dl);
+  auto tr = opts.transport == "ibverbs" ? ibverbs_transport(opts, n_rails, *boot, dl)
+                                         : tcp_transport(opts, n_rails, *boot, dl);
   return std::make_unique<PairGroup>(opts, std::move(tr), small_bytes, chunk_bytes);
 }
 
