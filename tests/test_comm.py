@@ -89,7 +89,7 @@ def test_size_one_is_trivial():
 def test_unsupported_configurations():
     with pytest.raises(ValueError, match="only 1 and 2"):
         comm.Group(0, 3, "127.0.0.1:1")
-    with pytest.raises(ValueError, match="ibverbs transport not built"):
+    with pytest.raises(ValueError, match="ibverbs transport (not built|unavailable)"):
         comm.Group(0, 2, "127.0.0.1:1", transport="ibverbs")
     with pytest.raises(ValueError, match="unknown comm transport"):
         comm.Group(0, 2, "127.0.0.1:1", transport="carrier-pigeon")

@@ -10,6 +10,7 @@
 
 #include "bindings/bindings.h"
 #include "comm/group.h"
+#include "comm/ibverbs_transport.h"
 #include "core/error.h"
 
 namespace py = pybind11;
@@ -175,6 +176,44 @@ or both raise. Every wait is bounded by `timeout` seconds: a lost peer raises Ru
           py::arg("rail"), py::arg("after_bytes") = 0,
           "Test hook: shut rail `rail` down during the next collective once `after_bytes` have "
           "been sent on it.");
+
+  // ibverbs (RDMA) availability, for callers and tests choosing transport="ibverbs".
+  cm.def("built_with_ibverbs", &comm::built_with_ibverbs,
+         "True when this build includes the ibverbs (RDMA) transport.");
+  cm.def(
+      "ibverbs_devices",
+      [] {
+        py::list out;
+        for (const auto& d : comm::ibverbs_devices()) {
+          py::dict dd;
+          dd["name"] = d.name;
+          py::list ports;
+          for (const auto& p : d.ports) {
+            py::dict pd;
+            pd["port"] = p.port;
+            pd["state"] = p.state;
+            pd["link_layer"] = p.link_layer;
+            pd["active_mtu"] = p.active_mtu;
+            pd["lid"] = p.lid;
+            py::list gids;
+            for (const auto& g : p.gids) {
+              py::dict gd;
+              gd["index"] = g.index;
+              gd["gid"] = g.gid;
+              gd["type"] = g.type;
+              gd["ipv4"] = g.ipv4;
+              gids.append(gd);
+            }
+            pd["gids"] = gids;
+            ports.append(pd);
+          }
+          dd["ports"] = ports;
+          out.append(dd);
+        }
+        return out;
+      },
+      "RDMA devices visible here: [{name, ports: [{port, state, link_layer, active_mtu, lid, "
+      "gids: [{index, gid, type, ipv4}]}]}]; empty when none or when built without ibverbs.");
 }
 
 }  // namespace tf
