@@ -708,21 +708,18 @@ class PairGroup final : public Group {
     // A rail with queued output that has not moved for half the timeout while another rail
     // kept moving is treated as lost (a silently dead link never reports an error).
     const auto stall = std::chrono::duration<double>(timeout_s_ / 2);
-    // Nothing moved at all for half the timeout while two or more rails are up: data we
-    // sent is sitting in a dead link's socket buffer (a small message, or the last chunks
-    // of a large one). Both ranks get here; each drops the rail its unacknowledged data went
-    // out on, and handle_down() re-sends that data on the others (duplicates are dropped).
+    // Nothing moved at all for half the timeout while two or more rails are up, and a small
+    // message of ours is unacknowledged: it is sitting in a dead link's socket buffer. Both
+    // ranks get here; each drops that rail and handle_down() re-sends on the others
+    // (duplicates are dropped). Large messages rely on the rails' TCP_USER_TIMEOUT instead.
     int live = 0;
     for (int r = 0; r < nr(); ++r) live += tr_->up(r) ? 1 : 0;
     if (now - last_progress > stall && live >= 2) {
-      int victim = -1;
       for (const auto& rt : retained_)
-        if (tr_->up(rt.rail)) { victim = rt.rail; break; }
-      for (int r = 0; r < nr() && victim < 0; ++r)
-        if (tr_->up(r) && !rails_[size_t(r)].assigned.empty()) victim = r;
-      if (victim < 0) victim = first_live();
-      tr_->fail_rail(victim, "stalled (nothing moved for half the timeout)");
-      return;
+        if (tr_->up(rt.rail)) {
+          tr_->fail_rail(rt.rail, "stalled (nothing moved for half the timeout)");
+          return;
+        }
     }
     Clock::time_point best{};
     for (int r = 0; r < nr(); ++r)

@@ -135,10 +135,17 @@ int sockbuf_bytes() {
   return 4 << 20;
 }
 
+// How long sent data may stay unacknowledged on a rail before the kernel fails the socket
+// (TCP_USER_TIMEOUT): half the group's timeout, so a rail whose link died silently errors
+// out and the algorithm re-sends on the other rails before the peer counts as lost.
+int g_rail_user_timeout_ms = 0;
+
 void tune_socket(int fd, bool rail) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   if (!rail) return;
+  if (g_rail_user_timeout_ms > 0)
+    setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &g_rail_user_timeout_ms, sizeof g_rail_user_timeout_ms);
   const int want = sockbuf_bytes();
   if (want <= 0) return;
   // Privileged processes may exceed net.core.[rw]mem_max; otherwise the kernel clamps.
@@ -185,6 +192,7 @@ Fd accept_one(int lfd, Deadline dl, const std::string& what) {
       fail(ErrorKind::Runtime, "accept() on ", what, ": ", errstr(errno));
     }
     set_nonblocking(c.fd);
+    tune_socket(c.fd, true);
     return c;
   }
 }
@@ -456,6 +464,7 @@ std::unique_ptr<Bootstrap> tcp_bootstrap(const GroupOptions& opts, Deadline dl) 
 
 std::unique_ptr<Transport> tcp_transport(const GroupOptions& opts, int n_rails, Bootstrap& boot,
                                          Deadline dl) {
+  g_rail_user_timeout_ms = static_cast<int>(std::max(500.0, opts.timeout_s * 500.0));
   std::vector<Rail> rails(static_cast<size_t>(n_rails));
   // A random nonce ties the rail connections to this bootstrap session.
   if (opts.rank == 0) {
