@@ -58,6 +58,7 @@ void bind_engine(py::module_& m) {
           rd["local"] = r.local;
           rd["peer"] = r.peer;
           rd["up"] = r.up;
+          rd["down_reason"] = r.down_reason;
           rd["bytes_sent"] = r.bytes_sent;
           rd["bytes_received"] = r.bytes_received;
           rails.append(rd);
