@@ -75,7 +75,7 @@ def tiny_moe(tmp_path_factory):
 
 def test_tp2_equals_tp1_on_tiny_moe(tiny_moe):
     ids = [5, 17, 3, 250, 9, 33, 101, 7]
-    solo = tensorfold.Engine(tiny_moe, threads=1, context=256)
+    solo = tensorfold.Engine(tiny_moe, threads=1, context=256, tp_compatible=True)
     ref_logits = solo.logits(ids)
     ref_tokens = solo.generate(ids, max_tokens=32, temperature=0, ignore_eos=True).token_ids
     ref_routing = solo.routing(ids)
@@ -94,7 +94,7 @@ def test_tp2_equals_tp1_on_tiny_moe(tiny_moe):
 
 
 def test_tp2_greedy_equals_tp1_on_smollm2(smollm2_path):
-    solo = tensorfold.Engine(smollm2_path, threads=1, context=256)
+    solo = tensorfold.Engine(smollm2_path, threads=1, context=256, tp_compatible=True)
     cases = FIXTURE["greedy"][:3]
     expected = [solo.generate(c["prompt_ids"], max_tokens=32, temperature=0, ignore_eos=True).token_ids for c in cases]
     pair = Pair(smollm2_path)

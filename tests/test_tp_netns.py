@@ -102,7 +102,7 @@ def prompts_and_tp1(smollm2_path):
     short = FIXTURE["greedy"][0]["prompt_ids"]
     long_ = (FIXTURE["greedy"][5]["prompt_ids"] * 6)[:300]
     prompts = [short, long_]
-    solo = tensorfold.Engine(smollm2_path, threads=1, context=CONTEXT)
+    solo = tensorfold.Engine(smollm2_path, threads=1, context=CONTEXT, tp_compatible=True)
     expected = [solo.generate(p, max_tokens=32, temperature=0, ignore_eos=True).token_ids for p in prompts]
     solo.close()
     return prompts, expected

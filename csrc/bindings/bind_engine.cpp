@@ -15,8 +15,9 @@ void bind_engine(py::module_& m) {
       .def(py::init([](const std::string& path, int threads, int64_t kv_tokens, int64_t context,
                        int max_batch_tokens, const std::string& kv_type, int tp_size, int tp_rank,
                        const std::string& tp_addr, const std::vector<std::string>& tp_rails,
-                       double tp_timeout) {
+                       double tp_timeout, bool tp_compatible) {
              EngineOptions o;
+             o.tp.compatible = tp_compatible;
              o.tp.size = tp_size;
              o.tp.rank = tp_rank;
              o.tp.addr = tp_addr;
@@ -35,7 +36,7 @@ void bind_engine(py::module_& m) {
            py::arg("path"), py::arg("threads") = 0, py::arg("kv_tokens") = 0, py::arg("context") = 0,
            py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16", py::arg("tp_size") = 1,
            py::arg("tp_rank") = 0, py::arg("tp_addr") = "", py::arg("tp_rails") = std::vector<std::string>{},
-           py::arg("tp_timeout") = 30.0)
+           py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false)
       .def("follow",
            [](Engine& e) {
              py::gil_scoped_release nogil;

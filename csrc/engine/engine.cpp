@@ -42,6 +42,7 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   TF_CHECK(tp_.size == 1 || tp_.size == 2, "tensor parallel size must be 1 or 2, got ", tp_.size);
   TF_CHECK(tp_.rank >= 0 && tp_.rank < tp_.size, "TP rank ", tp_.rank, " is out of range for size ", tp_.size);
   TpShard shard;
+  shard.tp_compatible = tp_.compatible;
   if (tp_.size == 2) {
     TF_CHECK(!tp_.addr.empty(), "TP=2 needs the peer address (HOST:PORT)");
     comm::GroupOptions g;

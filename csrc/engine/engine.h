@@ -31,6 +31,7 @@ struct TpOptions {
   std::string addr;                // rank 1 listens here, rank 0 connects
   std::vector<std::string> rails;  // local rail addresses
   double timeout_s = 30.0;
+  bool compatible = false;         // TP=1: compute exactly as a TP=2 pair would (see TpShard)
 };
 
 struct EngineOptions {

@@ -172,7 +172,14 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
   v0_ = 0;
   v1_ = cfg_.n_vocab;
   plan_splits();
-  if (tp_.size > 1) shard_weights();
+  if (tp_.size > 1) {
+    shard_weights();
+  } else if (!tp_.tp_compatible) {
+    // Plain TP=1: one pass over each reduction (the splits are only needed to match TP=2).
+    kv_split_ = f_split_ = fe_split_ = -1;
+    std::fill(fs_split_.begin(), fs_split_.end(), -1);
+    expert_parallel_ = false;
+  }
 }
 
 namespace {

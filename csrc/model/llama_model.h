@@ -81,6 +81,9 @@ struct TpShard {
   comm::Group* group = nullptr;  // required when size > 1
   int group_rank(int engine_rank) const { return group ? (engine_rank + group_rank_offset) % size : 0; }
   int group_rank_offset = 0;     // engine rank -> group rank mapping (the listener is group rank 0)
+  // TP=1 only: split the reduction sums at TP=2's boundaries, so results are bit-identical
+  // to a TP=2 run of the same model (costs ~5-10% decode speed: two half-width passes).
+  bool tp_compatible = false;
 };
 
 class LlamaModel {

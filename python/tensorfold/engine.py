@@ -48,6 +48,8 @@ class Engine:
     the KV cache. Tensor parallel over two machines: tp=2 with rank=0 here and
     peer="HOST:PORT" where `tensorfold worker MODEL --tp 2 --rank 1 --listen HOST:PORT`
     runs (same model file and options); rails lists this machine's address on each link.
+    tp_compatible=True (TP=1) computes exactly as a TP=2 pair does, so their outputs are
+    bit-identical (about 5-10% slower decode).
     Engine.stats() reports token counts, timings and, for MoE models, the
     tokens routed to each expert of each layer ("expert_usage").
     """
@@ -55,7 +57,7 @@ class Engine:
     def __init__(self, model: str, *, threads: int | None = None, kv_tokens: int | None = None,
                  context: int | None = None, max_batch_tokens: int = 512, kv_type: str = "f16",
                  tp: int = 1, rank: int = 0, peer: str | None = None, rails: Sequence[str] | None = None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, tp_compatible: bool = False):
         for name, v in (("threads", threads), ("kv_tokens", kv_tokens), ("context", context)):
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -69,7 +71,8 @@ class Engine:
         if tp == 2 and not peer:
             raise ValueError("tp=2 needs peer='HOST:PORT' (where rank 1 listens)")
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
-                                  kv_type, tp, rank, peer or "", list(rails or []), float(timeout))
+                                  kv_type, tp, rank, peer or "", list(rails or []), float(timeout),
+                                  bool(tp_compatible))
         if self._core.config["n_vocab"] < self.tokenizer.vocab_size:
             raise ValueError(
                 f"{self.path}: the tokenizer has {self.tokenizer.vocab_size} tokens but the "
