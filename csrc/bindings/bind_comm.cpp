@@ -59,7 +59,9 @@ DType pick_dtype(const py::array& a, const std::string& dtype) {
   fail(ErrorKind::InvalidInput, "unknown dtype '", dtype, "' (expected 'f32', 'f16' or 'bf16')");
 }
 
-py::dict stats_dict(const comm::GroupStats& s) {
+}  // namespace
+
+py::dict comm_stats_dict(const comm::GroupStats& s) {
   py::dict d;
   d["all_reduces"] = s.all_reduces;
   d["broadcasts"] = s.broadcasts;
@@ -83,7 +85,6 @@ py::dict stats_dict(const comm::GroupStats& s) {
   return d;
 }
 
-}  // namespace
 
 void bind_comm(py::module_& m) {
   auto cm = m.def_submodule("comm", "Tensor-parallel process group (TCP multi-rail)");
@@ -163,7 +164,7 @@ or both raise. Every wait is bounded by `timeout` seconds: a lost peer raises Ru
             g->barrier();
           },
           "Return once every rank has entered the barrier.")
-      .def("stats", [](const PyGroup& p) { return stats_dict(p.get()->stats()); },
+      .def("stats", [](const PyGroup& p) { return comm_stats_dict(p.get()->stats()); },
            "Counters: collectives, small messages, rail failures, time, and per-rail bytes/rate/state.")
       .def(
           "close", [](PyGroup& p) { p.g.reset(); },

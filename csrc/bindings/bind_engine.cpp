@@ -46,27 +46,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("tp_rank", &Engine::tp_rank)
       .def_property_readonly("tp_size", &Engine::tp_size)
       .def_property_readonly("weight_bytes", &Engine::weight_bytes)
-      .def("comm_stats", [](const Engine& e) {
-        const comm::GroupStats s = e.comm_stats();
-        py::dict d;
-        d["all_reduces"] = s.all_reduces;
-        d["broadcasts"] = s.broadcasts;
-        d["rail_failures"] = s.rail_failures;
-        d["seconds_in_collectives"] = s.seconds_in_collectives;
-        py::list rails;
-        for (const auto& r : s.rails) {
-          py::dict rd;
-          rd["local"] = r.local;
-          rd["peer"] = r.peer;
-          rd["up"] = r.up;
-          rd["down_reason"] = r.down_reason;
-          rd["bytes_sent"] = r.bytes_sent;
-          rd["bytes_received"] = r.bytes_received;
-          rails.append(rd);
-        }
-        d["rails"] = rails;
-        return d;
-      })
+      .def("comm_stats", [](const Engine& e) { return comm_stats_dict(e.comm_stats()); })
       .def("add_request",
            [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
               int top_k, float top_p, float min_p, uint64_t seed, const std::vector<int32_t>& eog_ids,

@@ -2,6 +2,11 @@
 #include <pybind11/pybind11.h>
 
 namespace tf {
+namespace comm {
+struct GroupStats;
+}
+// Python view of a group's counters (shared by the comm and engine bindings).
+pybind11::dict comm_stats_dict(const comm::GroupStats& s);
 void bind_gguf(pybind11::module_& m);
 void bind_quant(pybind11::module_& m);
 void bind_engine(pybind11::module_& m);
