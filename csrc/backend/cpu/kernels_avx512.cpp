@@ -536,39 +536,7 @@ inline void quant_block(const float* x, int n, int8_t* q, float* d_out, int* sum
 }  // namespace
 
 void quantize_avx512(ActKind kind, const float* x, void* xq, int64_t k) {
-  if (kind == ActKind::F32) {
-    std::memcpy(xq, x, size_t(k) * 4);
-    return;
-  }
-  if (kind == ActKind::G32) {
-    const int64_t nb = k / 32, ng = g32_groups(k);
-    int8_t* qs = static_cast<int8_t*>(xq);
-    float* sc = reinterpret_cast<float*>(qs + ng * 64);
-    for (int64_t g = 0; g < ng; ++g) {
-      for (int h = 0; h < 2; ++h) {
-        const int64_t b = 2 * g + h;
-        float d = 0.f;
-        int sum = 0;
-        if (b < nb) quant_block(x + b * 32, 32, qs + b * 32, &d, &sum);
-        else std::memset(qs + b * 32, 0, 32);
-        sc[4 * g + h] = d;
-        sc[4 * g + 2 + h] = d * float(sum);
-      }
-    }
-    return;
-  }
-  const int64_t nb = k / 256;
-  ActK* out = static_cast<ActK*>(xq);
-  for (int64_t b = 0; b < nb; ++b) {
-    ActK& a = out[b];
-    std::memset(a.pad, 0, sizeof(a.pad));
-    int sum;
-    quant_block(x + b * 256, 256, a.qs, &a.d, &sum);
-    for (int j = 0; j < 16; ++j) {
-      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.qs + 16 * j)));
-      a.bsums[j] = int16_t(_mm512_reduce_add_epi32(v));
-    }
-  }
+  quantize_row_with(kind, x, xq, k, quant_block);
 }
 
 MatmulFn avx512_matmul_fn(GgmlType wt) {

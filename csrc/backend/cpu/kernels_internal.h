@@ -15,6 +15,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "core/cpu_features.h"
 #include "core/dtype.h"
@@ -47,6 +48,47 @@ inline size_t g32_row_bytes(int64_t k) { return size_t(g32_groups(k)) * 80; }
 using MatmulFn = void (*)(int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1,
                           const void* xq, size_t xq_stride, int64_t ncols, float* y, int64_t ldy);
 using QuantFn = void (*)(ActKind kind, const float* x, void* xq, int64_t k);
+
+// Writes one activation row in `kind`'s layout (see the top of this file). The layout logic
+// is shared; `quant_block(x, n, q, &d, &sum)` is the calling ISA's block quantizer.
+template <typename QuantBlock>
+void quantize_row_with(ActKind kind, const float* x, void* xq, int64_t k, QuantBlock quant_block) {
+  if (kind == ActKind::F32) {
+    std::memcpy(xq, x, size_t(k) * 4);
+    return;
+  }
+  if (kind == ActKind::G32) {
+    const int64_t nb = k / 32, ng = g32_groups(k);
+    int8_t* qs = static_cast<int8_t*>(xq);
+    float* sc = reinterpret_cast<float*>(qs + ng * 64);
+    for (int64_t g = 0; g < ng; ++g) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t b = 2 * g + h;
+        float d = 0.f;
+        int sum = 0;
+        if (b < nb)
+          quant_block(x + b * 32, 32, qs + b * 32, &d, &sum);
+        else
+          std::memset(qs + b * 32, 0, 32);  // odd block count: a zero pad block
+        sc[4 * g + h] = d;
+        sc[4 * g + 2 + h] = d * float(sum);
+      }
+    }
+    return;
+  }
+  ActK* out = static_cast<ActK*>(xq);
+  for (int64_t b = 0; b < k / 256; ++b) {
+    ActK& a = out[b];
+    std::memset(a.pad, 0, sizeof(a.pad));
+    int sum;
+    quant_block(x + b * 256, 256, a.qs, &a.d, &sum);
+    for (int j = 0; j < 16; ++j) {
+      int s16 = 0;
+      for (int i = 0; i < 16; ++i) s16 += a.qs[16 * j + i];
+      a.bsums[j] = int16_t(s16);
+    }
+  }
+}
 
 // Per-ISA tables: nullptr where a format has no kernel in that translation unit.
 MatmulFn scalar_matmul_fn(GgmlType wt);
