@@ -138,7 +138,8 @@ void Engine::run_forward(const std::vector<BatchToken>& batch, float* logits) {
   // Plan: T, then (token, pos, seq, want) per token, then the block table of each sequence.
   plan_.clear();
   plan_.push_back(int32_t(batch.size()));
-  std::vector<int32_t> seqs;
+  std::vector<int32_t>& seqs = plan_seqs_;
+  seqs.clear();
   for (const BatchToken& b : batch) {
     plan_.insert(plan_.end(), {b.token, b.pos, b.seq, int32_t(b.want_logits)});
     if (std::find(seqs.begin(), seqs.end(), b.seq) == seqs.end()) seqs.push_back(b.seq);
@@ -318,7 +319,8 @@ std::vector<StepOutput> Engine::step() {
   // 3. Advance, sample and check stop conditions.
   const int64_t V = config().n_vocab;
   int row = 0;
-  std::vector<int64_t> done;
+  std::vector<int64_t>& done = done_;
+  done.clear();
   for (size_t i = 0; i < batch_.size(); ++i) {
     Sequence& s = *batch_owner_[i];
     s.n_computed = size_t(batch_[i].pos) + 1;

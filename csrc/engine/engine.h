@@ -143,6 +143,8 @@ class Engine {
   std::mutex hb_mu_;
   bool hb_stop_ = false;
   std::vector<int32_t> plan_;          // serialized plan (reused)
+  std::vector<int32_t> plan_seqs_;     // distinct sequences of a plan (reused)
+  std::vector<int64_t> done_;          // finished this step (reused)
 };
 
 }  // namespace tf
