@@ -1,7 +1,14 @@
 #include "core/cpu_features.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
 #endif
@@ -74,6 +81,80 @@ const char* isa_name(CpuIsa isa) {
     case CpuIsa::Avx2: return "avx2";
     default: return "scalar";
   }
+}
+
+namespace {
+std::string read_text(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return {};
+  std::ostringstream os;
+  os << f.rdbuf();
+  return os.str();
+}
+
+// CPUs allowed by one quota file's text: "max 100000" / "50000 100000" (v2) or, for v1, the
+// quota and period files' numbers. 0 = unlimited or unreadable.
+int quota_cpus(long long quota, long long period) {
+  if (quota <= 0 || period <= 0) return 0;
+  return int((quota + period - 1) / period);
+}
+
+int min_limit(int a, int b) { return a == 0 ? b : (b == 0 ? a : std::min(a, b)); }
+}  // namespace
+
+int cgroup_cpu_limit(const std::string& fs, const std::string& proc_self_cgroup) {
+  int limit = 0;
+  std::istringstream lines(proc_self_cgroup);
+  std::string line;
+  while (std::getline(lines, line)) {
+    // hierarchy-id:controllers:path
+    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1);
+    std::string path = line.substr(b + 1);
+    const bool v2 = line.compare(0, a, "0") == 0 && controllers.empty();
+    bool v1_cpu = false;
+    std::string name;
+    for (std::istringstream cs(controllers); std::getline(cs, name, ',');) v1_cpu |= name == "cpu";
+    if (!v2 && !v1_cpu) continue;
+    // A quota may sit on any ancestor: walk from the leaf up to the root.
+    for (;;) {
+      if (v2) {
+        std::istringstream q(read_text(fs + path + (path.empty() || path.back() != '/' ? "/" : "") + "cpu.max"));
+        std::string quota;
+        long long period = 0;
+        if (q >> quota >> period && quota != "max") limit = min_limit(limit, quota_cpus(std::atoll(quota.c_str()), period));
+      } else {
+        for (const char* dir : {"/cpu,cpuacct", "/cpu"}) {
+          const std::string base = fs + dir + path + (path.empty() || path.back() != '/' ? "/" : "");
+          const std::string q = read_text(base + "cpu.cfs_quota_us"), p = read_text(base + "cpu.cfs_period_us");
+          if (!q.empty() && !p.empty()) {
+            limit = min_limit(limit, quota_cpus(std::atoll(q.c_str()), std::atoll(p.c_str())));
+            break;
+          }
+        }
+      }
+      if (path.empty() || path == "/") break;
+      const size_t slash = path.find_last_of('/');
+      path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+    }
+  }
+  return limit;
+}
+
+int usable_cpus() {
+  static const int n = [] {
+    int cpus = int(std::max(1u, std::thread::hardware_concurrency()));
+#if defined(__linux__)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = std::max(1, CPU_COUNT(&set));
+    const int quota = cgroup_cpu_limit("/sys/fs/cgroup", read_text("/proc/self/cgroup"));
+    if (quota > 0) cpus = std::min(cpus, quota);
+#endif
+    return cpus;
+  }();
+  return n;
 }
 
 }  // namespace tf

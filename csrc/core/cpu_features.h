@@ -16,4 +16,12 @@ const CpuFeatures& cpu_features();
 CpuIsa best_isa();
 const char* isa_name(CpuIsa isa);
 
+// CPUs this process may really use: the CPUs in its affinity mask, lowered to the cgroup
+// CPU quota (cgroup v2 cpu.max, or v1 cfs_quota/cfs_period) rounded up; at least 1.
+int usable_cpus();
+// The cgroup CPU quota in CPUs (quota / period, rounded up), or 0 when unlimited/unknown.
+// cgroup_fs is where the cgroup hierarchy is mounted (/sys/fs/cgroup) and proc_self_cgroup
+// the text of /proc/self/cgroup; parameters so tests can feed a fake hierarchy.
+int cgroup_cpu_limit(const std::string& cgroup_fs, const std::string& proc_self_cgroup);
+
 }  // namespace tf

@@ -7,7 +7,8 @@
 
 namespace tf {
 
-enum class ErrorKind { InvalidInput, Unsupported, OutOfMemory, Runtime };
+// Interrupted: Ctrl-C reached a long native call (see core/interrupt.h).
+enum class ErrorKind { InvalidInput, Unsupported, OutOfMemory, Runtime, Interrupted };
 
 class Error : public std::runtime_error {
  public:
