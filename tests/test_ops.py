@@ -11,7 +11,8 @@ ops = _core.ops
 
 
 @pytest.mark.parametrize("D", [1, 17, 64, 80, 128])
-@pytest.mark.parametrize("n,bs", [(1, 16), (5, 16), (33, 16), (100, 7), (257, 32)])
+# n above 256 crosses the kernel's tiles (online softmax): 257, 1000 and 5000 positions.
+@pytest.mark.parametrize("n,bs", [(1, 16), (5, 16), (33, 16), (100, 7), (257, 32), (1000, 16), (5000, 64)])
 def test_paged_attention_matches_numpy(D, n, bs):
     rng = np.random.default_rng(D * 1000 + n)
     n_pages = (n + bs - 1) // bs + 3
@@ -28,6 +29,30 @@ def test_paged_attention_matches_numpy(D, n, bs):
     p /= p.sum()
     ref = p @ V
     # q and p are rounded to half (llama.cpp's F16-cache numerics): ~1e-3 relative.
+    assert np.abs(out - ref).max() <= 3e-3 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("order", ["rising", "falling"])
+def test_paged_attention_rescales_across_tiles(order):
+    # Scores that rise (the maximum moves into every new tile, forcing a rescale of the
+    # running sums) or fall (the first tile holds the maximum) along 1500 positions.
+    D, n, bs = 64, 1500, 16
+    rng = np.random.default_rng(7)
+    n_pages = (n + bs - 1) // bs
+    q = rng.standard_normal(D).astype(np.float32)
+    ramp = np.linspace(0.0, 12.0, n_pages * bs)
+    if order == "falling":
+        ramp = ramp[::-1]
+    k = (q[None, :] * ramp[:, None] / np.dot(q, q) * np.sqrt(D)).astype(np.float16).reshape(n_pages, bs, D)
+    v = rng.standard_normal((n_pages, bs, D)).astype(np.float16)
+    table = np.arange(n_pages, dtype=np.int32)
+    scale = 1.0 / np.sqrt(D)
+    out = ops.paged_attention(q, k.view(np.uint16), v.view(np.uint16), table, n, scale)
+    K = k.reshape(-1, D)[:n].astype(np.float64)
+    V = v.reshape(-1, D)[:n].astype(np.float64)
+    s = K @ q.astype(np.float64) * scale
+    p = np.exp(s - s.max())
+    ref = (p / p.sum()) @ V
     assert np.abs(out - ref).max() <= 3e-3 * max(1.0, np.abs(ref).max())
 
 

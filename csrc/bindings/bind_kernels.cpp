@@ -112,7 +112,9 @@ uint64_t kernels_read_bytes(py::array_t<uint8_t, py::array::c_style> a, int thre
     std::lock_guard<std::mutex> lock(slot.mu);
     std::vector<uint64_t> part(size_t(threads), 0);
     const bool avx512 = cpu::detail::isa_available(CpuIsa::Avx512);
-    slot.pool->run([&](int t, int nt) {
+    // One chunk per thread on purpose: this measures the bandwidth of `threads` readers.
+    const int nt = threads;
+    slot.pool->run_chunks(nt, [&](int64_t t, int) {
       const size_t per = (n / size_t(nt) + 63) / 64 * 64;
       const size_t b = std::min(n, size_t(t) * per), e = std::min(n, size_t(t + 1) * per);
       if (b < e)

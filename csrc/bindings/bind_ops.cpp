@@ -33,11 +33,10 @@ void bind_ops(py::module_& m) {
           for (int64_t i = 0; i < table.size(); ++i)
             if (table.data()[i] < 0 || table.data()[i] >= pages) throw py::value_error("table entry out of range");
           py::array_t<float> out(D);
-          std::vector<float> scores(static_cast<size_t>(n), 0.f);
           {
             py::gil_scoped_release nogil;
             const cpu::PagedKv kv{k_pages.data(), v_pages.data(), size_t(bs * D), table.data(), int(bs)};
-            cpu::paged_attention(q.data(), int(D), kv, n, scale, scores.data(), out.mutable_data());
+            cpu::paged_attention(q.data(), int(D), kv, n, scale, out.mutable_data());
           }
           return out;
         },

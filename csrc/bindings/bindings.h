@@ -7,6 +7,7 @@ struct GroupStats;
 }
 // Python view of a group's counters (shared by the comm and engine bindings).
 pybind11::dict comm_stats_dict(const comm::GroupStats& s);
+void bind_core(pybind11::module_& m);
 void bind_gguf(pybind11::module_& m);
 void bind_quant(pybind11::module_& m);
 void bind_engine(pybind11::module_& m);

@@ -16,10 +16,12 @@ struct PagedKv {
   bool f32 = false;         // rows stored as float instead of half
 };
 
-// out[0..D) = softmax(q . K[0..n) * scale) . V[0..n). `scores` is scratch of n floats.
-// With a half cache, q and the probabilities are rounded to half (llama.cpp's F16 KV
-// numerics); with a float cache everything stays in float.
-void paged_attention(const float* q, int head_dim, const PagedKv& kv, int64_t n, float scale,
-                     float* scores, float* out);
+// Positions scored at a time; the kernel's only scratch (on the stack), whatever n is.
+constexpr int kAttentionTile = 256;
+
+// out[0..D) = softmax(q . K[0..n) * scale) . V[0..n), computed tile by tile (online
+// softmax). With a half cache, q and the unnormalised probabilities are rounded to half
+// (llama.cpp's F16 KV numerics); with a float cache everything stays in float.
+void paged_attention(const float* q, int head_dim, const PagedKv& kv, int64_t n, float scale, float* out);
 
 }  // namespace tf::cpu
