@@ -164,6 +164,28 @@ def test_large_activations_no_overflow():
             assert (np.abs(y - ref) <= bound).all(), (t.name, impl)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_activations_poison_their_rows(bad):
+    """A NaN/inf activation makes its output row non-finite (as float math would) on every
+    ISA — no integer conversion of non-finite values, no overflowing integer sums — and the
+    other rows stay exact."""
+    rng = np.random.default_rng(11)
+    for t in QUANT_TYPES + FLOAT_TYPES:
+        bs, _ = block_geometry(t)
+        rows, k = 5, 2 * bs
+        raw = make_weights(t, rows, k, rng)
+        x = rng.standard_normal((3, k)).astype(np.float32)
+        x[1, 3] = bad
+        x[2, :] = bad
+        W = dequantize(raw, t).astype(np.float64)
+        for impl in available_impls():
+            y = _core.kernels_matmul(int(t), raw.reshape(-1), rows, k, x, impl=impl)
+            assert not np.isfinite(y[1:]).any(), (t.name, impl)
+            ref = x[0].astype(np.float64) @ W.T
+            bound = act_quant_bound(t, W, x[:1])[0] * 1.0001 + 1e-5 * (np.abs(x[0]) @ np.abs(W).T) + 1e-6
+            assert (np.abs(y[0] - ref) <= bound).all(), (t.name, impl)
+
+
 def test_bad_inputs():
     t = Q.Q4_1
     rows, k = 4, 64

@@ -9,6 +9,7 @@
 // expanded per maddubs lane (vpmaddubsw + vpdpwssd accumulate with the sub-block scales in
 // the integer domain), then reused across the column tile.
 #include <immintrin.h>
+#include <limits>
 
 #include <algorithm>
 #include <cstring>
@@ -518,7 +519,18 @@ void matmul_f(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
 
 inline void quant_block(const float* x, int n, int8_t* q, float* d_out, int* sum_out) {
   __m512 amax = _mm512_setzero_ps();
-  for (int i = 0; i < n; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  __m512 poison = _mm512_setzero_ps();  // x * 0 is NaN exactly where x is NaN or inf
+  for (int i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    poison = _mm512_add_ps(poison, _mm512_mul_ps(v, _mm512_setzero_ps()));
+  }
+  if (_mm512_cmp_ps_mask(poison, poison, _CMP_UNORD_Q)) {
+    std::memset(q, 0, size_t(n));  // as the scalar reference: a NaN scale, no integers
+    *d_out = std::numeric_limits<float>::quiet_NaN();
+    *sum_out = 0;
+    return;
+  }
   const float am = _mm512_reduce_max_ps(amax);
   const float d = am / 127.f;
   const float id = am != 0.f ? 127.f / am : 0.f;
@@ -530,7 +542,13 @@ inline void quant_block(const float* x, int n, int8_t* q, float* d_out, int* sum
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(v));
   }
   *d_out = d;
-  *sum_out = _mm512_reduce_add_epi32(sum);
+  // |q| <= 127 per value, so the horizontal sum fits easily; summed with wrapping vector
+  // adds rather than _mm512_reduce_add_epi32's signed scalar arithmetic.
+  __m256i s8 = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *sum_out = _mm_cvtsi128_si32(s4);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Portable scalar kernels: the reference semantics every vector path must reproduce (up to
 // float summation order). Compiled without ISA flags.
 #include <cmath>
+#include <limits>
 #include <cstring>
 
 #include "backend/cpu/kernels_internal.h"
@@ -37,7 +38,19 @@ inline int8_t q8(float v, float id) { return int8_t(int(std::nearbyint(v * id)))
 
 void quant_block_f(const float* x, int n, int8_t* q, float* d_out, int* sum_out) {
   float amax = 0.f;
-  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  bool finite = true;
+  for (int i = 0; i < n; ++i) {
+    amax = std::fmax(amax, std::fabs(x[i]));
+    finite = finite && std::isfinite(x[i]);
+  }
+  if (!finite) {
+    // NaN/inf activations: a NaN scale carries the poison into every dot product instead of
+    // converting non-finite values to integers (undefined) or wrapping the integer sum.
+    std::memset(q, 0, size_t(n));
+    *d_out = std::numeric_limits<float>::quiet_NaN();
+    *sum_out = 0;
+    return;
+  }
   const float d = amax / 127.f;
   const float id = amax != 0.f ? 127.f / amax : 0.f;
   int sum = 0;
