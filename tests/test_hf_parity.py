@@ -136,3 +136,49 @@ def test_selected_experts_match_transformers(hf_model, converted):
         assert our_sets == hf_sets, f"{arch} layer {layer}: experts differ"
     usage = eng.stats()["expert_usage"]
     assert len(usage) == model.config.num_hidden_layers and all(sum(u) > 0 for u in usage)
+
+
+def _rewrite_with_alignment(src: str, dst: str, alignment: int) -> None:
+    """Copy a GGUF with another general.alignment, padding the metadata until some float
+    tensor's data lands on an address that is not a multiple of 4."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    for pad in range(8):
+        w = gguf.GGUFWriter(dst, arch)
+        w.add_custom_alignment(alignment)
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
+                continue
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+        w.add_string("test.pad", "x" * pad)
+        for t in reader.tensors:
+            w.add_tensor(t.name, np.array(t.data), raw_shape=list(reversed([int(d) for d in t.shape])),
+                         raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        out = gguf.GGUFReader(dst)
+        if any(t.data_offset % 4 for t in out.tensors if t.tensor_type == gguf.GGMLQuantizationType.F32):
+            return
+    raise AssertionError("could not produce misaligned tensor data")
+
+
+def test_unaligned_tensor_data_matches_transformers(hf_model, converted, tmp_path):
+    # general.alignment = 1 is legal GGUF: float tensors (norms too) may then start at odd
+    # addresses. The model must load and compute exactly as transformers does.
+    arch, _, model = hf_model
+    if arch != "llama":
+        pytest.skip("one architecture is enough for the data layout")
+    path = str(tmp_path / "unaligned.gguf")
+    _rewrite_with_alignment(converted["f32"], path, 1)
+    eng = tensorfold.Engine(path, threads=2, kv_type="f32", context=256)
+    for ids in PROMPTS:
+        ref = _hf_logits(model, ids)
+        ours = eng.logits(ids)
+        span = float(ref.max() - ref.min())
+        assert float(np.abs(ours - ref).max()) <= 1e-4 * span

@@ -2,11 +2,24 @@
 // no logic lives in the bindings.
 #include <pybind11/pybind11.h>
 
+#include <cstring>
+
 #include "bindings/bindings.h"
 #include "core/cpu_features.h"
 #include "core/error.h"
 
 namespace py = pybind11;
+
+namespace {
+// Messages may quote file contents or paths that are not UTF-8: decode with replacement so
+// the user gets the intended exception, never a UnicodeDecodeError.
+void set_error(PyObject* type, const char* msg) {
+  PyObject* text = PyUnicode_DecodeUTF8(msg, Py_ssize_t(std::strlen(msg)), "replace");
+  if (!text) return;  // MemoryError is already set
+  PyErr_SetObject(type, text);
+  Py_DECREF(text);
+}
+}  // namespace
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "TensorFold native core";
@@ -16,24 +29,21 @@ PYBIND11_MODULE(_core, m) {
       if (p) std::rethrow_exception(p);
     } catch (const tf::Error& e) {
       switch (e.kind()) {
-        case tf::ErrorKind::InvalidInput: PyErr_SetString(PyExc_ValueError, e.what()); break;
-        case tf::ErrorKind::Unsupported: py::set_error(unsupported, e.what()); break;
-        case tf::ErrorKind::OutOfMemory: PyErr_SetString(PyExc_MemoryError, e.what()); break;
+        case tf::ErrorKind::InvalidInput: set_error(PyExc_ValueError, e.what()); break;
+        case tf::ErrorKind::Unsupported: set_error(unsupported.ptr(), e.what()); break;
+        case tf::ErrorKind::OutOfMemory: set_error(PyExc_MemoryError, e.what()); break;
         case tf::ErrorKind::Interrupted:
           // Python's own handler saw the SIGINT too: let it raise (KeyboardInterrupt or
           // whatever the program installed); otherwise raise KeyboardInterrupt ourselves.
           if (PyErr_CheckSignals() == 0) PyErr_SetNone(PyExc_KeyboardInterrupt);
           break;
-        default: PyErr_SetString(PyExc_RuntimeError, e.what()); break;
+        default: set_error(PyExc_RuntimeError, e.what()); break;
       }
     }
   });
-  m.def("usable_cpus", &tf::usable_cpus,
-        "CPUs this process may use: its affinity mask, capped by the cgroup CPU quota");
-  m.def("cgroup_cpu_limit", &tf::cgroup_cpu_limit, py::arg("cgroup_fs"), py::arg("proc_self_cgroup"),
-        "CPU quota (rounded up) found for a /proc/self/cgroup text under a cgroup mount; 0 = none");
   m.def("cpu_isa", [] { return tf::isa_name(tf::best_isa()); },
         "ISA the CPU kernels dispatch to: avx512, avx2 or scalar");
+  tf::bind_core(m);
   tf::bind_gguf(m);
   tf::bind_quant(m);
   tf::bind_kernels(m);

@@ -13,6 +13,7 @@
 #include "backend/cpu/vec_ops.h"
 #include "core/error.h"
 #include "core/half.h"
+#include "core/interrupt.h"
 #include "quant/traits.h"
 
 namespace tf {
@@ -30,14 +31,14 @@ std::string shape_str(const std::vector<int64_t>& ne) {
 Weight LlamaModel::load_weight(const std::string& name, int64_t k, int64_t rows, bool required) {
   const GgufTensorInfo* t = file_->find_tensor(name);
   if (!t) {
-    if (required) fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " is missing");
+    if (required) fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " is missing");
     return Weight{};
   }
   if (t->ne.size() != 2 || t->ne[0] != k || t->ne[1] != rows)
-    fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " has shape ", shape_str(t->ne),
+    fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " has shape ", shape_str(t->ne),
          ", expected [", k, ", ", rows, "]");
   if (!t->type_supported)
-    fail(ErrorKind::Unsupported, file_->path(), ": tensor ", name, " has type ",
+    fail(ErrorKind::Unsupported, file_->display_path(), ": tensor ", name, " has type ",
          type_name(t->type_id) ? type_name(t->type_id) : "?",
          " which TensorFold cannot compute with yet (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, "
          "Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); re-quantize the model to one of these");
@@ -53,12 +54,12 @@ Weight LlamaModel::load_weight(const std::string& name, int64_t k, int64_t rows,
 
 ExpertWeight LlamaModel::load_experts(const std::string& name, int64_t k, int64_t rows, int64_t n_expert) {
   const GgufTensorInfo* t = file_->find_tensor(name);
-  if (!t) fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " is missing");
+  if (!t) fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " is missing");
   if (t->ne.size() != 3 || t->ne[0] != k || t->ne[1] != rows || t->ne[2] != n_expert)
-    fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " has shape ", shape_str(t->ne),
+    fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " has shape ", shape_str(t->ne),
          ", expected [", k, ", ", rows, ", ", n_expert, "]");
   if (!t->type_supported)
-    fail(ErrorKind::Unsupported, file_->path(), ": tensor ", name, " has type ",
+    fail(ErrorKind::Unsupported, file_->display_path(), ": tensor ", name, " has type ",
          type_name(t->type_id) ? type_name(t->type_id) : "?", " which TensorFold cannot compute with yet");
   ExpertWeight w;
   w.first.type = t->type();
@@ -75,25 +76,30 @@ ExpertWeight LlamaModel::load_experts(const std::string& name, int64_t k, int64_
 const float* LlamaModel::load_vector(const std::string& name, int64_t n, bool required) {
   const GgufTensorInfo* t = file_->find_tensor(name);
   if (!t) {
-    if (required) fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " is missing");
+    if (required) fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " is missing");
     return nullptr;
   }
   // A vector may be stored with trailing unit dimensions ([n, 1]), as ggml treats them alike.
   bool ok = !t->ne.empty() && t->ne[0] == n;
   for (size_t i = 1; i < t->ne.size(); ++i) ok = ok && t->ne[i] == 1;
   if (!ok)
-    fail(ErrorKind::InvalidInput, file_->path(), ": tensor ", name, " has shape ", shape_str(t->ne),
+    fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " has shape ", shape_str(t->ne),
          ", expected [", n, "]");
   weight_bytes_ += t->nbytes;
-  if (t->type() == GgmlType::F32 && tp_.size == 1) return reinterpret_cast<const float*>(t->data);
+  const bool aligned = reinterpret_cast<uintptr_t>(t->data) % alignof(float) == 0;
+  if (t->type() == GgmlType::F32 && tp_.size == 1 && aligned) return reinterpret_cast<const float*>(t->data);
   if (t->type() == GgmlType::F32) {
-    // TP: a private copy, so the mapping's pages (and their neighbours) stay untouched.
+    // A private copy: under TP so the mapping's pages (and their neighbours) stay untouched;
+    // otherwise because general.alignment 1 or 2 may leave the floats misaligned.
     owned_vectors_.emplace_back(size_t(n));
-    read_at(t->offset, owned_vectors_.back().data(), size_t(n) * sizeof(float), false);
+    if (tp_.size > 1)
+      read_at(t->offset, owned_vectors_.back().data(), size_t(n) * sizeof(float), false);
+    else
+      std::memcpy(owned_vectors_.back().data(), t->data, size_t(n) * sizeof(float));
     return owned_vectors_.back().data();
   }
   if (!t->type_supported)
-    fail(ErrorKind::Unsupported, file_->path(), ": tensor ", name, " has an unsupported type");
+    fail(ErrorKind::Unsupported, file_->display_path(), ": tensor ", name, " has an unsupported type");
   // Small vectors in other formats are converted once at load.
   owned_vectors_.emplace_back(size_t(n));
   type_traits(t->type()).dequantize_ref(t->data, owned_vectors_.back().data(), n);
@@ -107,7 +113,7 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
   if (tp_.size > 1) {
     file_->advise_random();  // the mapping serves only the header and embedding rows now
     fd_ = ::open(file_->path().c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) fail(ErrorKind::InvalidInput, file_->path(), ": cannot open for reading");
+    if (fd_ < 0) fail(ErrorKind::InvalidInput, file_->display_path(), ": cannot open for reading");
   }
   const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim;
   tok_embd_ = load_weight("token_embd.weight", E, cfg_.n_vocab);
@@ -115,6 +121,7 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
   output_ = cfg_.tied_output ? tok_embd_ : load_weight("output.weight", E, cfg_.n_vocab);
   layers_.resize(size_t(cfg_.n_layer));
   for (int il = 0; il < cfg_.n_layer; ++il) {
+    check_interrupt();
     const std::string p = "blk." + std::to_string(il) + ".";
     LayerWeights& L = layers_[size_t(il)];
     L.attn_norm = load_vector(p + "attn_norm.weight", E);
@@ -141,7 +148,7 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
       L.up_exps = load_experts(p + "ffn_up_exps.weight", E, FE, NE);
       L.down_exps = load_experts(p + "ffn_down_exps.weight", FE, E, NE);
       if (L.gate_exps.first.type != L.up_exps.first.type)
-        fail(ErrorKind::Unsupported, file_->path(), ": layer ", il, " has different gate/up expert types");
+        fail(ErrorKind::Unsupported, file_->display_path(), ": layer ", il, " has different gate/up expert types");
       if (const GgufTensorInfo* sh = file_->find_tensor(p + "ffn_gate_shexp.weight")) {
         const int64_t FS = sh->ne.size() == 2 ? sh->ne[1] : 0;
         L.gate_shexp = load_weight(p + "ffn_gate_shexp.weight", E, FS);
@@ -149,20 +156,20 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
         L.down_shexp = load_weight(p + "ffn_down_shexp.weight", FS, E);
         L.shexp_gate = load_vector(p + "ffn_gate_inp_shexp.weight", E, false);
         if (L.gate_shexp.type != L.up_shexp.type)
-          fail(ErrorKind::Unsupported, file_->path(), ": layer ", il, " has different shared gate/up types");
+          fail(ErrorKind::Unsupported, file_->display_path(), ": layer ", il, " has different shared gate/up types");
         shexp_width_ = std::max<int64_t>(shexp_width_, FS);
       }
     } else {
       if (cfg_.n_ff <= 0)
-        fail(ErrorKind::InvalidInput, file_->path(), ": layer ", il, " has no router and no dense FFN size");
+        fail(ErrorKind::InvalidInput, file_->display_path(), ": layer ", il, " has no router and no dense FFN size");
       L.w_gate = load_weight(p + "ffn_gate.weight", E, cfg_.n_ff);
       L.w_up = load_weight(p + "ffn_up.weight", E, cfg_.n_ff);
       L.w_down = load_weight(p + "ffn_down.weight", cfg_.n_ff, E);
       if (L.w_gate.type != L.w_up.type)
-        fail(ErrorKind::Unsupported, file_->path(), ": layer ", il, " has different gate/up types");
+        fail(ErrorKind::Unsupported, file_->display_path(), ": layer ", il, " has different gate/up types");
     }
     if (L.wq.type != L.wk.type || L.wq.type != L.wv.type)
-      fail(ErrorKind::Unsupported, file_->path(), ": layer ", il,
+      fail(ErrorKind::Unsupported, file_->display_path(), ": layer ", il,
            " mixes weight types within q/k/v; not supported yet");
   }
   hl_ = H;
@@ -196,8 +203,9 @@ void LlamaModel::read_at(uint64_t offset, void* dst, size_t n, bool drop_cache) 
   const size_t total = n;
   auto* p = static_cast<uint8_t*>(dst);
   while (n > 0) {
-    const ssize_t r = ::pread(fd_, p, n, off_t(offset));
-    if (r <= 0) fail(ErrorKind::Runtime, file_->path(), ": read failed while loading a TP slice");
+    check_interrupt();  // TP loads read gigabytes: Ctrl-C must not wait for all of them
+    const ssize_t r = ::pread(fd_, p, std::min(n, size_t(64) << 20), off_t(offset));
+    if (r <= 0) fail(ErrorKind::Runtime, file_->display_path(), ": read failed while loading a TP slice");
     p += r;
     offset += uint64_t(r);
     n -= size_t(r);
@@ -313,7 +321,7 @@ void LlamaModel::plan_splits() {
 }
 
 void LlamaModel::shard_weights() {
-  const std::string& path = file_->path();
+  const std::string& path = file_->display_path();
   const int64_t HK = cfg_.n_head_kv, D = cfg_.head_dim, g = cfg_.n_head / HK;
   const int r = tp_.rank;
   auto need = [&](int64_t c, const char* what) {
@@ -409,6 +417,22 @@ void LlamaModel::set_routing_trace(bool on) {
   trace_.assign(size_t(cfg_.n_layer), {});
 }
 
+double LlamaModel::scratch_bytes(int64_t max_tokens) const {
+  // In double: a hostile geometry must produce a huge number, not a wrapped small one.
+  const double T = double(max_tokens), E = double(cfg_.n_embd), D = double(cfg_.head_dim);
+  const double QD = double(hl_) * D, KD = double(hkl_) * D;
+  const double FW = std::max(double(fl_), double(shexp_width_));
+  double act = 0;  // widest quantized activation row, about one byte per value plus scales
+  for (const auto& L : layers_) act = std::max({act, double(L.wq.k), double(L.wo.k), double(L.w_down.k), double(L.down_exps.first.k)});
+  double floats = T * (6 * E + 2 * QD + 2 * KD + 2 * FW + double(cfg_.rope_dim));
+  double bytes = 4 * floats + T * (1.25 * act + 64);
+  if (cfg_.is_moe()) {
+    const double K = double(cfg_.n_expert_used), FE = double(fel_);
+    bytes += 4 * T * K * (2 * FE + 2 * E + 4) + T * K * (1.25 * act + 64) + 4 * T * double(cfg_.n_expert);
+  }
+  return bytes;
+}
+
 void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   TF_CHECK(max_tokens > 0 && max_ctx > 0 && n_threads > 0, "invalid scratch sizes");
   max_tokens_ = max_tokens;
@@ -431,7 +455,6 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   gate_.assign(T * FW, 0.f);
   up_.assign(T * FW, 0.f);
   rope_cs_.assign(T * size_t(cfg_.rope_dim), 0.f);
-  scores_.assign(size_t(n_threads) * size_t(max_ctx), 0.f);
   size_t act = 0;
   auto consider = [&](const Weight& w) {
     if (w.rows > 0) act = std::max(act, cpu::act_row_bytes(w.type, w.k));
@@ -446,6 +469,7 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   act_.assign(T * act_stride_, 0);
   jobs_.clear();
   jobs_.reserve(size_t(2 * std::max(cfg_.n_expert, 2) + 4));
+  job_chunk_begin_.reserve(jobs_.capacity());
   reset_expert_usage();
   if (cfg_.is_moe()) {
     const size_t NE = size_t(cfg_.n_expert), K = size_t(cfg_.n_expert_used), FE = size_t(fel_);
@@ -498,15 +522,26 @@ void LlamaModel::ksplit_matmul(const Weight& w, const float* x, int64_t T, int64
 }
 
 void LlamaModel::run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool) {
-  pool.run([&](int t, int nt) {
-    for (const MatmulJob& j : jobs) {
-      // Split rows evenly in multiples of 16 so kernels see whole row tiles.
-      const int64_t per = ((j.w.rows + nt - 1) / nt + 15) & ~int64_t(15);
-      const int64_t r0 = std::min(j.w.rows, per * t), r1 = std::min(j.w.rows, per * (t + 1));
-      if (r0 < r1)
-        cpu::matmul_rows(j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride, j.ncols,
-                         j.y, j.ldy);
-    }
+  // Every job's rows are cut into chunks of whole 16-row tiles, about kChunksPerThread chunks
+  // per thread over all jobs together; threads claim chunks as they come free, so a slow or
+  // descheduled thread holds back one chunk, not a fixed share.
+  int64_t total = 0;
+  for (const MatmulJob& j : jobs) total += j.w.rows;
+  if (total == 0) return;
+  const int64_t target = int64_t(pool.size()) * ThreadPool::kChunksPerThread;
+  const int64_t per = pool.size() == 1 ? total : std::max<int64_t>(16, ((total + target - 1) / target + 15) & ~int64_t(15));
+  job_chunk_begin_.clear();
+  int64_t n_chunks = 0;
+  for (const MatmulJob& j : jobs) {
+    job_chunk_begin_.push_back(n_chunks);
+    n_chunks += (j.w.rows + per - 1) / per;
+  }
+  pool.run_chunks(n_chunks, [&](int64_t c, int) {
+    const size_t ji = size_t(std::upper_bound(job_chunk_begin_.begin(), job_chunk_begin_.end(), c) -
+                             job_chunk_begin_.begin()) - 1;
+    const MatmulJob& j = jobs[ji];
+    const int64_t r0 = (c - job_chunk_begin_[ji]) * per, r1 = std::min(j.w.rows, r0 + per);
+    cpu::matmul_rows(j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride, j.ncols, j.y, j.ldy);
   });
 }
 
@@ -686,16 +721,17 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
   const int64_t T = int64_t(batch.size());
   const float scale = 1.0f / std::sqrt(float(D));
   const int64_t items = T * H;
-  pool.run([&](int tid, int nt) {
-    float* scores = scores_.data() + size_t(tid) * size_t(max_ctx_);
-    // Strided assignment balances the triangular cost of causal prefill.
-    for (int64_t it = tid; it < items; it += nt) {
+  // (token, head) items in contiguous runs, many more runs than threads: causal prefill's
+  // triangular cost evens out because threads claim runs as they come free.
+  const int64_t runs = std::min<int64_t>(items, int64_t(pool.size()) * 16);
+  pool.run_chunks(runs, [&](int64_t r, int) {
+    for (int64_t it = r * items / runs; it < (r + 1) * items / runs; ++it) {
       const int64_t t = it / H;
       const int h = int(it % H), g = h / group;
       const BatchToken& bt = batch[size_t(t)];
       const cpu::PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
                                kv.block_table(bt.seq).data(), kv.block_size(), kv.type() == KvType::F32};
-      cpu::paged_attention(q_.data() + (t * H + h) * D, D, pages, int64_t(bt.pos) + 1, scale, scores,
+      cpu::paged_attention(q_.data() + (t * H + h) * D, D, pages, int64_t(bt.pos) + 1, scale,
                            attn_.data() + (t * H + h) * D);
     }
   });

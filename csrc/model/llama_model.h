@@ -106,6 +106,9 @@ class LlamaModel {
 
   // Size scratch for batches of up to max_tokens tokens, sequences up to max_ctx positions.
   void reserve(int max_tokens, int64_t max_ctx, int n_threads);
+  // About what reserve(max_tokens, ...) allocates, computed without overflow (for the
+  // engine's memory check before anything is allocated).
+  double scratch_bytes(int64_t max_tokens) const;
   int max_tokens() const { return max_tokens_; }
 
   // Runs the batch. For each token with want_logits, writes n_vocab floats to `logits`
@@ -170,7 +173,7 @@ class LlamaModel {
   int max_tokens_ = 0;
   int64_t max_ctx_ = 0;
   int n_threads_ = 1;
-  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, rope_cs_, scores_, ffn_out_, ffn_out2_, part_,
+  std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, rope_cs_, ffn_out_, ffn_out2_, part_,
       logits_local_;
   std::vector<uint8_t> act_;
   size_t act_stride_ = 0;
@@ -180,6 +183,7 @@ class LlamaModel {
   std::vector<int32_t> slot_of_;        // [T * n_used] -> row in expert order
   std::vector<uint8_t> exp_act_;
   std::vector<MatmulJob> jobs_;
+  std::vector<int64_t> job_chunk_begin_;  // run_jobs: first chunk of each job (reused)
   std::vector<std::vector<int64_t>> expert_usage_;
   bool tracing_ = false;
   std::vector<std::vector<int32_t>> trace_;

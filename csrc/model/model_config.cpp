@@ -1,5 +1,7 @@
 #include "model/model_config.h"
 
+#include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "core/error.h"
@@ -7,17 +9,93 @@
 namespace tf {
 
 namespace {
-int positive_int(const GgufFile& f, const std::string& key, int64_t v, int64_t limit = 1 << 24) {
-  if (v <= 0 || v > limit)
-    fail(ErrorKind::InvalidInput, f.path(), ": metadata ", key, " = ", v, " is out of range");
-  return int(v);
+
+// Integer metadata is range-checked as int64 before it is narrowed, so 2^32 + 1536 is refused,
+// not read as 1536.
+int64_t int_in(const GgufFile& f, const std::string& key, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi)
+    fail(ErrorKind::InvalidInput, f.display_path(), ": metadata ", key, " = ", v,
+         " is out of range (valid: ", lo, "..", hi, ")");
+  return v;
 }
+
+int int_key(const GgufFile& f, const std::string& key, int64_t lo, int64_t hi) {
+  return int(int_in(f, key, f.get_int(key), lo, hi));
+}
+
+int int_key(const GgufFile& f, const std::string& key, int64_t def, int64_t lo, int64_t hi) {
+  return int(int_in(f, key, f.get_int(key, def), lo, hi));
+}
+
+// Float metadata must be finite and inside [lo, hi] (also after narrowing to float: 1e-300
+// would become 0).
+float float_key(const GgufFile& f, const std::string& key, double def, double lo, double hi) {
+  const double v = f.get_float(key, def);
+  const float n = float(v);
+  if (!std::isfinite(v) || v < lo || v > hi || !std::isfinite(n) || (lo > 0 && n <= 0.f)) {
+    std::ostringstream os;
+    os << f.display_path() << ": metadata " << key << " = " << v << " is out of range (valid: a finite value in ";
+    if (lo > 0 && lo < 1e-30) os << "(0, " << hi << "]";
+    else os << "[" << lo << ", " << hi << "]";
+    os << ")";
+    throw Error(ErrorKind::InvalidInput, os.str());
+  }
+  return n;
+}
+
+// A name read from the file, made safe to print: bytes that are not printable ASCII escaped.
+std::string printable(const std::string& s) {
+  std::string out;
+  static const char hex[] = "0123456789abcdef";
+  for (unsigned char c : s) {
+    if (out.size() > 200) { out += "..."; break; }
+    if (c >= 0x20 && c < 0x7f) {
+      out += char(c);
+    } else {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+  return out;
+}
+
+// Valid UTF-8 stays as it is; anything else gets each bad byte replaced by U+FFFD, so the
+// string can always become a Python str.
+std::string utf8_or_replace(const std::string& s) {
+  std::string out;
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  size_t i = 0;
+  while (i < n) {
+    unsigned c = p[i];
+    size_t len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+    bool ok = len > 0 && n - i >= len;
+    uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
+    for (size_t k = 1; ok && k < len; ++k) {
+      if ((p[i + k] & 0xC0) != 0x80) ok = false;
+      else cp = (cp << 6) | (p[i + k] & 0x3F);
+    }
+    static const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (ok && (cp < min_cp[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))) ok = false;
+    if (ok) {
+      out.append(s, i, len);
+      i += len;
+    } else {
+      out += "\xEF\xBF\xBD";
+      ++i;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   ModelConfig c;
+  const std::string& path = f.display_path();
   c.arch = f.get_string("general.architecture");
-  c.name = f.get_string("general.name", "");
+  c.name = utf8_or_replace(f.get_string("general.name", ""));  // display only
   const std::string& a = c.arch;
   bool default_norm_topk = false;
   if (a == "llama") {  // also Mixtral-style llama with experts
@@ -31,76 +109,84 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     c.qk_norm = true;
     default_norm_topk = a == "qwen3moe";
   } else if (a == "deepseek2") {
-    fail(ErrorKind::Unsupported, f.path(), ": architecture 'deepseek2' needs multi-head latent attention (MLA), ",
+    fail(ErrorKind::Unsupported, path, ": architecture 'deepseek2' needs multi-head latent attention (MLA), ",
          "which TensorFold does not implement yet (its expert routing is supported)");
   } else {
-    fail(ErrorKind::Unsupported, f.path(), ": architecture '", a,
-         "' is not supported (supported: llama (incl. mixtral), qwen2, qwen3, qwen2moe, qwen3moe)");
+    fail(ErrorKind::Unsupported, path, ": architecture '", printable(a),
+         "' (general.architecture) is not supported (supported: llama (incl. mixtral), qwen2, qwen3, qwen2moe, qwen3moe)");
   }
   auto key = [&](const char* k) { return a + "." + k; };
-  c.n_embd = positive_int(f, key("embedding_length"), f.get_int(key("embedding_length")));
-  c.n_layer = positive_int(f, key("block_count"), f.get_int(key("block_count")), 4096);
-  c.n_head = positive_int(f, key("attention.head_count"), f.get_int(key("attention.head_count")), 4096);
-  c.n_head_kv = positive_int(f, key("attention.head_count_kv"),
-                             f.get_int(key("attention.head_count_kv"), c.n_head), 4096);
+  c.n_embd = int_key(f, key("embedding_length"), 1, 1 << 24);
+  c.n_layer = int_key(f, key("block_count"), 1, 4096);
+  c.n_head = int_key(f, key("attention.head_count"), 1, 4096);
+  c.n_head_kv = int_key(f, key("attention.head_count_kv"), c.n_head, 1, 4096);
   if (c.n_head % c.n_head_kv != 0)
-    fail(ErrorKind::InvalidInput, f.path(), ": head_count ", c.n_head,
+    fail(ErrorKind::InvalidInput, path, ": head_count ", c.n_head,
          " is not a multiple of head_count_kv ", c.n_head_kv);
   const int64_t default_hd = c.n_embd / c.n_head;
-  c.head_dim = positive_int(f, key("attention.key_length"), f.get_int(key("attention.key_length"), default_hd), 512);
+  c.head_dim = int_key(f, key("attention.key_length"), default_hd, 1, 512);
   const int64_t vdim = f.get_int(key("attention.value_length"), c.head_dim);
   if (vdim != c.head_dim)
-    fail(ErrorKind::Unsupported, f.path(), ": value_length != key_length is not supported");
-  c.n_expert = int(f.get_int(key("expert_count"), 0));
-  if (c.n_expert < 0 || c.n_expert > 4096)
-    fail(ErrorKind::InvalidInput, f.path(), ": ", key("expert_count"), " = ", c.n_expert, " is out of range");
+    fail(ErrorKind::Unsupported, path, ": value_length != key_length is not supported");
+  c.n_expert = int_key(f, key("expert_count"), 0, 0, 4096);
   // MoE models may have no dense FFN at all; feed_forward_length then only describes
   // leading dense layers (if any).
-  c.n_ff = int(f.get_int(key("feed_forward_length"), 0));
-  if (c.n_ff < 0 || (!c.is_moe() && c.n_ff == 0))
-    fail(ErrorKind::InvalidInput, f.path(), ": ", key("feed_forward_length"), " is missing or invalid");
+  c.n_ff = int_key(f, key("feed_forward_length"), 0, 0, 1 << 24);
+  if (!c.is_moe() && c.n_ff == 0)
+    fail(ErrorKind::InvalidInput, path, ": ", key("feed_forward_length"), " is missing or 0 (a dense model needs it)");
   if (c.is_moe()) {
-    c.n_expert_used = positive_int(f, key("expert_used_count"), f.get_int(key("expert_used_count")), c.n_expert);
-    c.n_ff_exp = int(f.get_int(key("expert_feed_forward_length"), c.n_ff));
-    c.n_ff_exp = positive_int(f, key("expert_feed_forward_length"), c.n_ff_exp);
-    c.n_ff_shexp = int(f.get_int(key("expert_shared_feed_forward_length"), 0));
-    if (c.n_ff_shexp < 0) fail(ErrorKind::InvalidInput, f.path(), ": negative shared expert width");
+    c.n_expert_used = int_key(f, key("expert_used_count"), 1, c.n_expert);
+    c.n_ff_exp = int_key(f, key("expert_feed_forward_length"), c.n_ff, 1, 1 << 24);
+    c.n_ff_shexp = int_key(f, key("expert_shared_feed_forward_length"), 0, 0, 1 << 24);
     c.router.n_expert = c.n_expert;
     c.router.n_used = c.n_expert_used;
     const int64_t gating = f.get_int(key("expert_gating_func"), 1);
     if (gating != 1 && gating != 2)
-      fail(ErrorKind::Unsupported, f.path(), ": expert_gating_func ", gating, " is not supported");
+      fail(ErrorKind::Unsupported, path, ": expert_gating_func ", gating, " is not supported");
     c.router.gating = gating == 2 ? moe::Gating::Sigmoid : moe::Gating::Softmax;
     c.router.norm_topk = f.get_bool(key("expert_weights_norm"), default_norm_topk);
-    c.router.scale = float(f.get_float(key("expert_weights_scale"), 1.0));
-    c.router.n_group = int(f.get_int(key("expert_group_count"), 1));
-    c.router.n_group_used = int(f.get_int(key("expert_group_used_count"), c.router.n_group));
+    c.router.scale = float_key(f, key("expert_weights_scale"), 1.0, 1e-6, 1e6);
+    c.router.n_group = int_key(f, key("expert_group_count"), 1, 1, c.n_expert);
+    c.router.n_group_used = int_key(f, key("expert_group_used_count"), c.router.n_group, 1, c.router.n_group);
     try {
       moe::validate(c.router);
     } catch (const Error& e) {
-      fail(ErrorKind::InvalidInput, f.path(), ": invalid expert routing metadata: ", e.what());
+      fail(ErrorKind::InvalidInput, path, ": invalid expert routing metadata: ", e.what());
     }
   }
-  c.n_ctx_train = f.get_int(key("context_length"), 4096);
-  c.rms_eps = float(f.get_float(key("attention.layer_norm_rms_epsilon"), 1e-6));
-  c.rope_base = float(f.get_float(key("rope.freq_base"), 10000.0));
-  c.rope_dim = positive_int(f, key("rope.dimension_count"), f.get_int(key("rope.dimension_count"), c.head_dim), 4096);
+  c.n_ctx_train = int_in(f, key("context_length"), f.get_int(key("context_length"), 4096), 1,
+                         std::numeric_limits<int32_t>::max());
+  c.rms_eps = float_key(f, key("attention.layer_norm_rms_epsilon"), 1e-6, 1e-38, 1.0);
+  c.rope_base = float_key(f, key("rope.freq_base"), 10000.0, 1e-38, 1e12);
+  c.rope_dim = int_key(f, key("rope.dimension_count"), c.head_dim, 1, 4096);
   if (c.rope_dim > c.head_dim || c.rope_dim % 2)
-    fail(ErrorKind::InvalidInput, f.path(), ": rope.dimension_count ", c.rope_dim, " is invalid for head_dim ", c.head_dim);
+    fail(ErrorKind::InvalidInput, path, ": rope.dimension_count ", c.rope_dim, " is invalid for head_dim ", c.head_dim);
   const std::string scaling = f.get_string(key("rope.scaling.type"), "none");
   if (scaling == "linear") {
-    const double factor = f.get_float(key("rope.scaling.factor"), 1.0);
-    if (factor <= 0) fail(ErrorKind::InvalidInput, f.path(), ": rope.scaling.factor must be > 0");
-    c.rope_freq_scale = float(1.0 / factor);
+    const float factor = float_key(f, key("rope.scaling.factor"), 1.0, 1e-6, 1e6);
+    c.rope_freq_scale = float(1.0 / double(factor));
   } else if (scaling != "none" && scaling != "") {
-    fail(ErrorKind::Unsupported, f.path(), ": rope scaling '", scaling, "' is not supported yet");
+    fail(ErrorKind::Unsupported, path, ": rope scaling '", printable(scaling), "' is not supported yet");
   }
   if (f.find_tensor("rope_freqs.weight"))
-    fail(ErrorKind::Unsupported, f.path(), ": per-dimension rope frequency factors (rope_freqs) are not supported yet");
+    fail(ErrorKind::Unsupported, path, ": per-dimension rope frequency factors (rope_freqs) are not supported yet");
+  // Every layer tensor must belong to a layer below block_count: a smaller block_count would
+  // silently drop layers.
+  for (const GgufTensorInfo& t : f.tensors()) {
+    if (t.name.compare(0, 4, "blk.") != 0) continue;
+    int64_t layer = 0;
+    size_t k = 4;
+    while (k < t.name.size() && k < 4 + 12 && t.name[k] >= '0' && t.name[k] <= '9')
+      layer = layer * 10 + (t.name[k++] - '0');
+    if (k == 4 || k >= t.name.size() || t.name[k] != '.') continue;  // not blk.N.*
+    if (layer >= c.n_layer)
+      fail(ErrorKind::InvalidInput, path, ": tensor '", t.name, "' belongs to layer ", layer, " but ",
+           key("block_count"), " = ", c.n_layer, " (valid layers: 0..", c.n_layer - 1, ")");
+  }
   const GgufTensorInfo* emb = f.find_tensor("token_embd.weight");
-  if (!emb) fail(ErrorKind::InvalidInput, f.path(), ": tensor token_embd.weight is missing");
+  if (!emb) fail(ErrorKind::InvalidInput, path, ": tensor token_embd.weight is missing");
   if (emb->ne.size() != 2 || emb->ne[0] != c.n_embd)
-    fail(ErrorKind::InvalidInput, f.path(), ": token_embd.weight has the wrong shape");
+    fail(ErrorKind::InvalidInput, path, ": token_embd.weight has the wrong shape");
   c.n_vocab = emb->ne[1];
   c.tied_output = f.find_tensor("output.weight") == nullptr;
   return c;
