@@ -214,6 +214,17 @@ def oracle_metadata(path) -> dict:
     return out, r
 
 
+# numpy dtype each numeric GGUF array type must come out as
+_NP_DTYPES = {VT.UINT8: np.uint8, VT.INT8: np.int8, VT.UINT16: np.uint16, VT.INT16: np.int16,
+              VT.UINT32: np.uint32, VT.INT32: np.int32, VT.FLOAT32: np.float32,
+              VT.UINT64: np.uint64, VT.INT64: np.int64, VT.FLOAT64: np.float64, VT.BOOL: np.bool_}
+
+
+def plain(v):
+    """A metadata value with arrays (numpy / GgufArray) turned into Python lists."""
+    return v.tolist() if isinstance(v, (np.ndarray, _core.GgufArray)) else v
+
+
 def assert_same_as_oracle(path):
     f = GgufFile(path)
     ours = f.metadata()
@@ -222,10 +233,21 @@ def assert_same_as_oracle(path):
     for k, v in theirs.items():
         if v is NotImplemented:
             continue
-        assert ours[k] == v, k
-        assert type(ours[k]) is type(v), (k, type(ours[k]), type(v))
+        field = r.fields[k]
+        if field.types[0] == VT.ARRAY:
+            et = field.types[1] if len(field.types) > 1 else None
+            if et in _NP_DTYPES:
+                assert isinstance(ours[k], np.ndarray), k
+                assert ours[k].dtype == _NP_DTYPES[et], (k, ours[k].dtype)
+                assert not ours[k].flags.writeable
+            else:
+                assert isinstance(ours[k], _core.GgufArray), k
+                assert len(ours[k]) == len(v)
+        mine = plain(ours[k])
+        assert mine == v, k
+        assert type(mine) is type(v), (k, type(mine), type(v))
         if isinstance(v, list):
-            for a, b in zip(ours[k], v):
+            for a, b in zip(mine, v):
                 assert type(a) is type(b), k
     ts = f.tensors()
     assert len(ts) == len(r.tensors)
@@ -259,14 +281,30 @@ def test_all_value_types_and_tensors(tmp_path):
     assert md["v.f64"] == math.pi
     assert md["v.bool_t"] is True and md["v.bool_f"] is False
     assert md["v.str"] == "héllo ✓ wörld" and md["v.empty_str"] == ""
-    assert md["v.arr_u64"] == [0, 2**64 - 1]
-    assert md["v.arr_i64"] == [-(2**63), 2**63 - 1]
-    assert md["v.arr_f32"] == [0.5, -1.25, float(np.float32(3.0e8))]
-    assert md["v.arr_bool"] == [True, False, True]
-    assert all(type(x) is bool for x in md["v.arr_bool"])
-    assert md["v.arr_str"] == ["a", "", "ünï", "tok" * 50]
-    assert md["v.nested"] == NESTED
-    assert md["v.nested_str"] == NESTED2
+    assert md["v.arr_u64"].dtype == np.uint64 and md["v.arr_u64"].tolist() == [0, 2**64 - 1]
+    assert md["v.arr_i64"].dtype == np.int64 and md["v.arr_i64"].tolist() == [-(2**63), 2**63 - 1]
+    assert md["v.arr_u8"].dtype == np.uint8 and md["v.arr_u8"].tolist() == [1, 2, 255]
+    assert md["v.arr_i16"].dtype == np.int16 and md["v.arr_i16"].tolist() == [-1, 2, -300]
+    assert md["v.arr_f32"].dtype == np.float32
+    assert md["v.arr_f32"].tolist() == [0.5, -1.25, float(np.float32(3.0e8))]
+    assert md["v.arr_f64"].dtype == np.float64 and md["v.arr_f64"].tolist() == [math.e, -0.0]
+    assert md["v.arr_bool"].dtype == np.bool_ and md["v.arr_bool"].tolist() == [True, False, True]
+    assert all(type(x) is bool for x in md["v.arr_bool"].tolist())
+    # string arrays and nested arrays: lazy sequences, equal to the lists they hold
+    strs = md["v.arr_str"]
+    assert isinstance(strs, _core.GgufArray) and strs.elem_type == "string"
+    assert strs == ["a", "", "ünï", "tok" * 50] and strs.tolist() == ["a", "", "ünï", "tok" * 50]
+    assert len(strs) == 4 and strs[2] == "ünï" and strs[-1] == "tok" * 50
+    assert strs[1:3] == ["", "ünï"] and strs[::-2] == ["tok" * 50, ""]
+    assert list(strs) == ["a", "", "ünï", "tok" * 50] and "ünï" in strs
+    with pytest.raises(IndexError):
+        strs[4]
+    nested = md["v.nested"]
+    assert isinstance(nested, _core.GgufArray) and nested.elem_type == "array"
+    assert nested == NESTED and nested.tolist() == NESTED
+    assert nested[0].dtype == np.int32 and nested[0].tolist() == NESTED[0]  # inner: numpy
+    assert md["v.nested_str"] == NESTED2 and md["v.nested_str"][1] == ["c"]
+    assert repr(nested) == "GgufArray(array, 2 elements)"
     # get
     assert f.get("v.u8") == 250
     assert f.get("nope") is None and f.get("nope", 7) == 7
@@ -601,6 +639,16 @@ def _gstr(s: bytes) -> bytes:
     return struct.pack("<Q", len(s)) + s
 
 
+def test_too_many_keys(tmp_path):
+    # 14 bytes each on disk but ~200 in memory: a hostile header is capped, not amplified
+    kvs = [_gstr(b"k%d" % i) + struct.pack("<IB", int(VT.UINT8), 1) for i in range(70000)]
+    expect_error(tmp_path, _raw_gguf(kvs), "kv_count 70000", "65536")
+    p = tmp_path / "many.gguf"
+    p.write_bytes(_raw_gguf(kvs[:65536]))
+    md = GgufFile(str(p)).metadata()
+    assert len(md) == 65536 and md["k65535"] == 1
+
+
 def test_deeply_nested_array(tmp_path):
     depth = 200
     val = struct.pack("<IQ", int(VT.INT32), 0)
@@ -616,7 +664,9 @@ def test_deeply_nested_array(tmp_path):
     empty = _gstr(b"empty") + struct.pack("<IIQ", int(VT.ARRAY), int(VT.STRING), 0)
     p = tmp_path / "nest_ok.gguf"
     p.write_bytes(_raw_gguf([kv, empty]))
-    assert GgufFile(str(p)).metadata() == {"ok": [[[[5]]]], "empty": []}
+    md = GgufFile(str(p)).metadata()
+    assert md == {"ok": [[[[5]]]], "empty": []}  # GgufArray compares equal to lists
+    assert md["ok"].tolist() == [[[[5]]]] and md["ok"][0][0][0].dtype == np.int32
 
 
 def test_raw_minimal_tensor_file(tmp_path):
@@ -670,6 +720,8 @@ def test_real_model(smollm2_path):
     md = f.metadata()
     assert md["general.architecture"] == "llama"
     assert len(md["tokenizer.ggml.tokens"]) > 40000
+    assert md["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert md["tokenizer.ggml.token_type"].dtype == np.int32
     assert f.get_int("llama.block_count") > 0
     ts = f.tensors()
     assert all(t["supported"] for t in ts)

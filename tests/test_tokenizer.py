@@ -18,18 +18,11 @@ def fixture() -> dict:
 
 
 def _metadata(path: str) -> dict:
-    """GGUF metadata as key -> value (arrays as lists): the native reader when available."""
-    try:
-        from tensorfold import _core
+    """GGUF metadata from the native reader (numeric arrays as numpy arrays, string arrays as
+    lazy GgufArray sequences), as the Engine passes it to the tokenizer."""
+    from tensorfold import _core
 
-        md = _core.GgufFile(path).metadata()
-        if isinstance(md.get("tokenizer.ggml.tokens"), list):
-            return dict(md)
-    except Exception:  # native reader missing or incomplete: use the gguf package
-        pass
-    gguf = pytest.importorskip("gguf")
-    reader = gguf.GGUFReader(path)
-    return {name: field.contents() for name, field in reader.fields.items()}
+    return dict(_core.GgufFile(path).metadata())
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,20 @@
 // validation live in gguf/gguf_reader.cpp.
 //
 // Metadata conversion: integers -> int, floats -> float, bool -> bool, strings -> str (bytes that
-// are not valid UTF-8 are decoded with errors="replace"), arrays -> list (nested -> nested lists).
+// are not valid UTF-8 are decoded with errors="replace"). Arrays are not turned into lists up
+// front, so metadata() costs O(keys), whatever the arrays hold:
+//   - integer and float arrays -> read-only numpy arrays of the element dtype, viewing the
+//     mapping (no copy); bool arrays -> read-only numpy bool arrays (a copy, one byte each);
+//   - string arrays and arrays of arrays -> GgufArray, a lazy sequence (len, indexing, slicing,
+//     iteration, tolist(), == with lists) that decodes elements from the mapping on access.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+
 #include "bindings/bindings.h"
+#include "core/error.h"
 #include "gguf/gguf_reader.h"
 #include "quant/traits.h"
 
@@ -22,46 +30,118 @@ py::object str_to_py(const std::string& s) {
   return py::reinterpret_steal<py::object>(o);
 }
 
-py::object int_to_py(GgufValueType t, int64_t i) {
-  PyObject* o = t == GgufValueType::UINT64
-                    ? PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(i))
-                    : PyLong_FromLongLong(static_cast<long long>(i));
+// A path as os.fsdecode() gives it (undecodable bytes as surrogates, so it round-trips).
+py::object path_to_py(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeFSDefaultAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
   if (!o) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(o);
 }
 
-py::object value_to_py(const GgufValue& v);
+py::object scalar_to_py(const GgufValue& v) {
+  PyObject* o = nullptr;
+  switch (v.type) {
+    case GgufValueType::STRING: return str_to_py(v.s);
+    case GgufValueType::FLOAT32:
+    case GgufValueType::FLOAT64: return py::float_(v.f);
+    case GgufValueType::BOOL: return py::bool_(v.i != 0);
+    case GgufValueType::UINT8: case GgufValueType::UINT16: case GgufValueType::UINT32:
+    case GgufValueType::UINT64:
+      o = PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(v.u));
+      break;
+    default: o = PyLong_FromLongLong(static_cast<long long>(v.i)); break;
+  }
+  if (!o) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
+}
 
-py::list array_to_py(const GgufValue& v) {
-  const size_t n = v.array_size();
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
+const char* numpy_format(GgufValueType t) {
+  switch (t) {
+    case GgufValueType::UINT8: return "<u1";
+    case GgufValueType::INT8: return "<i1";
+    case GgufValueType::UINT16: return "<u2";
+    case GgufValueType::INT16: return "<i2";
+    case GgufValueType::UINT32: return "<u4";
+    case GgufValueType::INT32: return "<i4";
+    case GgufValueType::FLOAT32: return "<f4";
+    case GgufValueType::UINT64: return "<u8";
+    case GgufValueType::INT64: return "<i8";
+    case GgufValueType::FLOAT64: return "<f8";
+    default: return nullptr;
+  }
+}
+
+// A string array or an array of arrays, decoded on access.
+struct GgufArrayRef {
+  std::shared_ptr<GgufFile> file;
+  GgufValue v;
+  std::vector<uint64_t> offsets;  // start of each element, built on first random access
+  bool indexed = false;
+
+  const std::vector<uint64_t>& index() {
+    if (!indexed) {
+      file->check_unchanged();
+      offsets = file->element_offsets(v);
+      indexed = true;
+    }
+    return offsets;
+  }
+};
+
+struct GgufArrayIter {
+  std::shared_ptr<GgufArrayRef> a;
+  uint64_t pos = 0, k = 0;
+};
+
+py::object array_to_py(const std::shared_ptr<GgufFile>& f, const GgufValue& v);
+
+py::object element_to_py(const std::shared_ptr<GgufFile>& f, const GgufValue& e) {
+  return e.type == GgufValueType::ARRAY ? array_to_py(f, e) : scalar_to_py(e);
+}
+
+py::object array_to_py(const std::shared_ptr<GgufFile>& f, const GgufValue& v) {
+  const char* fmt = numpy_format(v.elem_type);
+  const uint64_t n = v.count;
+  if (fmt) {
+    const auto esize = static_cast<py::ssize_t>(gguf_fixed_size(v.elem_type));
+    py::array a(py::dtype(fmt), {static_cast<py::ssize_t>(n)}, {esize}, f->base() + v.begin,
+                py::cast(f));  // the array keeps the file (and its mapping) alive
+    a.attr("setflags")(py::arg("write") = false);
+    return std::move(a);
+  }
+  if (v.elem_type == GgufValueType::BOOL) {
+    py::array_t<bool> a(static_cast<py::ssize_t>(n));
+    bool* dst = a.mutable_data();
+    const uint8_t* src = f->base() + v.begin;
+    for (uint64_t k = 0; k < n; ++k) dst[k] = src[k] != 0;
+    a.attr("setflags")(py::arg("write") = false);  // read-only like the other arrays
+    return std::move(a);
+  }
+  auto ref = std::make_shared<GgufArrayRef>();
+  ref->file = f;
+  ref->v = v;
+  return py::cast(ref);
+}
+
+// Plain Python lists all the way down.
+py::list array_to_list(const std::shared_ptr<GgufFile>& f, const GgufValue& v) {
+  if (numpy_format(v.elem_type) || v.elem_type == GgufValueType::BOOL) {
+    return array_to_py(f, v).attr("tolist")();
+  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(v.count));
   if (!list) throw py::error_already_set();
   py::list out = py::reinterpret_steal<py::list>(list);
-  for (size_t k = 0; k < n; ++k) {
-    py::object item;
-    switch (v.elem_type) {
-      case GgufValueType::STRING: item = str_to_py(v.strings[k]); break;
-      case GgufValueType::ARRAY: item = array_to_py(v.items[k]); break;
-      case GgufValueType::FLOAT32:
-      case GgufValueType::FLOAT64: item = py::float_(v.floats[k]); break;
-      case GgufValueType::BOOL: item = py::bool_(v.ints[k] != 0); break;
-      default: item = int_to_py(v.elem_type, v.ints[k]); break;
-    }
+  uint64_t pos = v.begin;
+  for (uint64_t k = 0; k < v.count; ++k) {
+    GgufValue e = f->read_element(v, pos);
+    py::object item = e.type == GgufValueType::ARRAY ? py::object(array_to_list(f, e))
+                                                     : scalar_to_py(e);
     PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), item.release().ptr());
   }
   return out;
 }
 
-py::object value_to_py(const GgufValue& v) {
-  switch (v.type) {
-    case GgufValueType::STRING: return str_to_py(v.s);
-    case GgufValueType::ARRAY: return array_to_py(v);
-    case GgufValueType::FLOAT32:
-    case GgufValueType::FLOAT64: return py::float_(v.f);
-    case GgufValueType::BOOL: return py::bool_(v.i != 0);
-    case GgufValueType::UINT64: return int_to_py(v.type, static_cast<int64_t>(v.u));
-    default: return int_to_py(v.type, v.i);
-  }
+py::object value_to_py(const std::shared_ptr<GgufFile>& f, const GgufValue& v) {
+  return v.type == GgufValueType::ARRAY ? array_to_py(f, v) : scalar_to_py(v);
 }
 
 py::dict tensor_to_py(const GgufTensorInfo& t) {
@@ -82,12 +162,84 @@ py::dict tensor_to_py(const GgufTensorInfo& t) {
 std::string fspath(const py::object& p) {
   py::object s = py::module_::import("os").attr("fspath")(p);
   if (py::isinstance<py::bytes>(s)) return s.cast<std::string>();
-  return s.cast<std::string>();
+  // str paths: encoded as os.fsencode() does, so undecodable names (surrogates) still open
+  py::object b = py::module_::import("os").attr("fsencode")(s);
+  return b.cast<std::string>();
+}
+
+void bind_array(py::module_& m) {
+  py::class_<GgufArrayIter>(m, "_GgufArrayIterator")
+      .def("__iter__", [](py::object self) { return self; })
+      .def("__next__", [](GgufArrayIter& it) {
+        if (it.k >= it.a->v.count) throw py::stop_iteration();
+        GgufValue e = it.a->file->read_element(it.a->v, it.pos);
+        ++it.k;
+        return element_to_py(it.a->file, e);
+      });
+
+  py::class_<GgufArrayRef, std::shared_ptr<GgufArrayRef>>(
+      m, "GgufArray",
+      "A GGUF metadata array of strings or of arrays, decoded from the file on access. "
+      "Behaves as a read-only sequence; tolist() gives plain Python lists.")
+      .def("__len__", [](const GgufArrayRef& a) { return static_cast<size_t>(a.v.count); })
+      .def_property_readonly(
+          "elem_type", [](const GgufArrayRef& a) { return std::string(gguf_type_name(a.v.elem_type)); },
+          "Element type: 'string' or 'array'.")
+      .def("__getitem__",
+           [](GgufArrayRef& a, int64_t i) {
+             const auto n = static_cast<int64_t>(a.v.count);
+             if (i < 0) i += n;
+             if (i < 0 || i >= n) throw py::index_error("GgufArray index out of range");
+             uint64_t pos = a.index()[static_cast<size_t>(i)];
+             return element_to_py(a.file, a.file->read_element(a.v, pos));
+           })
+      .def("__getitem__",
+           [](GgufArrayRef& a, const py::slice& s) {
+             size_t start = 0, stop = 0, step = 0, len = 0;
+             if (!s.compute(static_cast<size_t>(a.v.count), &start, &stop, &step, &len)) {
+               throw py::error_already_set();
+             }
+             py::list out;
+             const auto& idx = a.index();
+             for (size_t k = 0; k < len; ++k) {
+               uint64_t pos = idx[start + k * step];
+               out.append(element_to_py(a.file, a.file->read_element(a.v, pos)));
+             }
+             return out;
+           })
+      .def("__iter__",
+           [](const std::shared_ptr<GgufArrayRef>& a) {
+             a->file->check_unchanged();
+             return GgufArrayIter{a, a->v.begin, 0};
+           })
+      .def("tolist",
+           [](const GgufArrayRef& a) {
+             a.file->check_unchanged();
+             return array_to_list(a.file, a.v);
+           },
+           "All elements as a (nested) list of Python values.")
+      .def("__eq__",
+           [](const GgufArrayRef& a, const py::object& other) -> py::object {
+             if (py::isinstance<GgufArrayRef>(other)) {
+               const auto& b = other.cast<const GgufArrayRef&>();
+               return py::bool_(array_to_list(a.file, a.v).equal(array_to_list(b.file, b.v)));
+             }
+             if (py::isinstance<py::list>(other) || py::isinstance<py::tuple>(other)) {
+               if (py::len(other) != a.v.count) return py::bool_(false);
+               return py::bool_(array_to_list(a.file, a.v).equal(py::list(other)));
+             }
+             return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+           })
+      .def("__repr__", [](const GgufArrayRef& a) {
+        return "GgufArray(" + std::string(gguf_type_name(a.v.elem_type)) + ", " +
+               std::to_string(a.v.count) + " elements)";
+      });
 }
 
 }  // namespace
 
 void bind_gguf(py::module_& m) {
+  bind_array(m);
   py::class_<GgufFile, std::shared_ptr<GgufFile>>(m, "GgufFile",
                                                   "A memory-mapped, fully validated GGUF file.")
       .def(py::init([](const py::object& path) {
@@ -96,48 +248,59 @@ void bind_gguf(py::module_& m) {
              return GgufFile::open(p);
            }),
            py::arg("path"))
-      .def_property_readonly("path", &GgufFile::path)
+      .def_property_readonly("path", [](const GgufFile& f) { return path_to_py(f.path()); })
       .def_property_readonly("version", &GgufFile::version)
       .def_property_readonly("file_size", &GgufFile::file_size)
       .def_property_readonly("data_offset", &GgufFile::data_offset)
       .def_property_readonly("alignment", &GgufFile::alignment)
       .def("metadata",
-           [](const GgufFile& f) {
+           [](const std::shared_ptr<GgufFile>& f) {
+             f->check_unchanged();  // bool arrays are copied out of the mapping here
              py::dict d;
-             for (const auto& kv : f.metadata()) d[str_to_py(kv.first)] = value_to_py(kv.second);
+             for (const auto& kv : f->metadata()) d[str_to_py(kv.first)] = value_to_py(f, kv.second);
              return d;
            },
-           "All key/value metadata, in file order.")
+           "All key/value metadata, in file order. Numeric arrays are read-only numpy arrays, "
+           "string arrays and nested arrays lazy GgufArray sequences.")
       .def("get",
-           [](const GgufFile& f, const std::string& key, py::object def) {
-             const GgufValue* v = f.find(key);
-             return v ? value_to_py(*v) : def;
+           [](const std::shared_ptr<GgufFile>& f, const std::string& key, py::object def) {
+             const GgufValue* v = f->find(key);
+             return v ? value_to_py(f, *v) : def;
            },
            py::arg("key"), py::arg("default") = py::none())
       .def("get_int",
            [](const GgufFile& f, const std::string& key, py::object def) -> py::object {
-             if (def.is_none()) return py::int_(f.get_int(key));
-             return py::int_(f.get_int(key, def.cast<int64_t>()));
+             if (!def.is_none() && !f.find(key)) return def;
+             return py::int_(f.get_int(key));
            },
            py::arg("key"), py::arg("default") = py::none(),
            "Integer (or bool) value; raises ValueError when missing without a default or of "
            "another type.")
       .def("get_float",
            [](const GgufFile& f, const std::string& key, py::object def) -> py::object {
-             if (def.is_none()) return py::float_(f.get_float(key));
-             return py::float_(f.get_float(key, def.cast<double>()));
+             if (!def.is_none() && !f.find(key)) return def;
+             return py::float_(f.get_float(key));
            },
            py::arg("key"), py::arg("default") = py::none())
       .def("get_string",
            [](const GgufFile& f, const std::string& key, py::object def) -> py::object {
-             if (def.is_none()) return str_to_py(f.get_string(key));
-             return str_to_py(f.get_string(key, def.cast<std::string>()));
+             if (!def.is_none() && !f.find(key)) return def;
+             return str_to_py(f.get_string(key));
            },
            py::arg("key"), py::arg("default") = py::none())
-      .def("get_bool", &GgufFile::get_bool, py::arg("key"), py::arg("default"))
+      .def("get_bool",
+           [](const GgufFile& f, const std::string& key, py::object def) -> py::object {
+             if (!f.find(key)) return def;
+             return py::bool_(f.get_bool(key, false));
+           },
+           py::arg("key"), py::arg("default"))
       .def("__contains__", [](const GgufFile& f, const std::string& key) {
         return f.find(key) != nullptr;
       })
+      .def("check_unchanged", &GgufFile::check_unchanged,
+           "Raise ValueError if the file shrank or was modified in place since it was opened "
+           "(reading a shrunk mapping would crash the process with SIGBUS). One fstat(); call "
+           "it between requests.")
       .def("tensors",
            [](const GgufFile& f) {
              py::list out;
@@ -166,9 +329,9 @@ void bind_gguf(py::module_& m) {
            py::arg("name"),
            "Raw bytes of a tensor: a read-only zero-copy uint8 view into the mapping.")
       .def("__repr__", [](const GgufFile& f) {
-        return "<GgufFile '" + f.path() + "' v" + std::to_string(f.version()) + ", " +
-               std::to_string(f.tensors().size()) + " tensors, " +
-               std::to_string(f.metadata().size()) + " keys>";
+        return str_to_py("<GgufFile '" + f.display_path() + "' v" + std::to_string(f.version()) +
+                         ", " + std::to_string(f.tensors().size()) + " tensors, " +
+                         std::to_string(f.metadata().size()) + " keys>");
       });
 }
 

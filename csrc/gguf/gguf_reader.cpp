@@ -33,6 +33,11 @@ namespace {
 constexpr uint32_t kMaxArrayDepth = 8;       // nested arrays deeper than this are refused
 constexpr uint64_t kDefaultAlignment = 32;
 constexpr uint32_t kNumValueTypes = 13;
+// Real models carry well under a thousand keys and tens of thousands of tensors; the caps keep
+// the per-entry bookkeeping of a hostile header (one key costs ~200 bytes here, 14 on disk)
+// bounded.
+constexpr uint64_t kMaxKeys = 1u << 16;
+constexpr uint64_t kMaxTensors = 1u << 20;
 
 // Smallest encodings, used to bound counts by the bytes that remain in the file.
 constexpr uint64_t kMinKvBytes = 8 + 1 + 4 + 1;               // key len, 1-byte key, type, u8 value
@@ -45,16 +50,7 @@ const char* value_type_name(uint32_t t) {
   return t < kNumValueTypes ? names[t] : "unknown";
 }
 
-// Bytes of one element of a fixed-size type; 0 for string / array.
-uint64_t fixed_size(GgufValueType t) {
-  switch (t) {
-    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::BOOL: return 1;
-    case GgufValueType::UINT16: case GgufValueType::INT16: return 2;
-    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::FLOAT32: return 4;
-    case GgufValueType::UINT64: case GgufValueType::INT64: case GgufValueType::FLOAT64: return 8;
-    default: return 0;
-  }
-}
+uint64_t fixed_size(GgufValueType t) { return gguf_fixed_size(t); }
 
 bool is_integer(GgufValueType t) {
   switch (t) {
@@ -106,6 +102,8 @@ class Cursor {
 
   uint64_t pos() const { return pos_; }
   uint64_t remaining() const { return size_ - pos_; }
+  const uint8_t* here() const { return base_ + pos_; }
+  void seek(uint64_t pos) { pos_ = pos <= size_ ? pos : size_; }
   // What is being parsed, e.g. "key #3 ('general.name')"; used in error messages.
   std::string where;
 
@@ -144,6 +142,23 @@ class Cursor {
     std::string s(reinterpret_cast<const char*>(base_ + pos_), static_cast<size_t>(len));
     pos_ += len;
     return s;
+  }
+
+  void skip(uint64_t n, const char* field) {
+    need(n, field);
+    pos_ += n;
+  }
+
+  // A string's bytes are only checked to be inside the file.
+  void skip_str(const char* field) {
+    uint64_t start = pos_;
+    uint64_t len = u64(field);
+    if (len > remaining()) {
+      fail(ErrorKind::InvalidInput, path_, ": truncated: ", where, " ", field, " at byte ", start,
+           " has length ", len, " but only ", remaining(), " bytes remain in the ", size_,
+           "-byte file");
+    }
+    pos_ += len;
   }
 
   [[noreturn]] void error(uint64_t at, const std::string& what) const {
@@ -189,8 +204,6 @@ uint32_t read_value_type(Cursor& c, const char* field) {
   return t;
 }
 
-void read_value(Cursor& c, GgufValueType type, GgufValue& out, uint32_t depth);
-
 // One scalar element of a fixed-size type, as (int64, uint64, double).
 void read_scalar(Cursor& c, GgufValueType t, int64_t& i, uint64_t& u, double& f) {
   u = 0;
@@ -216,16 +229,20 @@ void read_scalar(Cursor& c, GgufValueType t, int64_t& i, uint64_t& u, double& f)
   }
 }
 
+// Validates one array (element type, count, every element; nested arrays recursively) and
+// records where its elements are, without copying any of them.
 void read_array(Cursor& c, GgufValue& out, uint32_t depth) {
   uint64_t at = c.pos();
   if (depth >= kMaxArrayDepth) {
     c.error(at, "arrays nested deeper than " + std::to_string(kMaxArrayDepth) + " levels");
   }
+  out.type = GgufValueType::ARRAY;
+  out.depth = depth;
   auto et = static_cast<GgufValueType>(read_value_type(c, "array element type"));
   out.elem_type = et;
   uint64_t count_at = c.pos();
   uint64_t n = c.u64("array length");
-  // Bound the count by the bytes left before allocating anything.
+  // Bound the count by the bytes left before walking anything.
   uint64_t min_elem = fixed_size(et);
   if (min_elem == 0) min_elem = et == GgufValueType::STRING ? 8 : 12;  // string len / nested header
   if (n > c.remaining() / min_elem) {
@@ -236,34 +253,34 @@ void read_array(Cursor& c, GgufValue& out, uint32_t depth) {
                                : std::to_string(n * min_elem)) +
                           " bytes but only " + std::to_string(c.remaining()) + " remain in the file");
   }
-  size_t count = static_cast<size_t>(n);
+  out.count = n;
+  out.begin = c.pos();
   if (et == GgufValueType::STRING) {
-    out.strings.reserve(count);
-    for (size_t k = 0; k < count; ++k) out.strings.push_back(c.str("array string"));
+    for (uint64_t k = 0; k < n; ++k) c.skip_str("array string");
   } else if (et == GgufValueType::ARRAY) {
-    out.items.reserve(count);
-    for (size_t k = 0; k < count; ++k) {
-      out.items.emplace_back();
-      out.items.back().type = GgufValueType::ARRAY;
-      read_array(c, out.items.back(), depth + 1);
+    GgufValue inner;
+    for (uint64_t k = 0; k < n; ++k) read_array(c, inner, depth + 1);
+  } else if (et == GgufValueType::BOOL) {
+    const uint8_t* p = c.here();
+    for (uint64_t k = 0; k < n; ++k) {
+      if (p[k] > 1) {
+        c.error(out.begin + k, "bool array element " + std::to_string(k) + " is " +
+                                   std::to_string(p[k]) + ", not 0 or 1");
+      }
     }
-  } else if (is_float(et)) {
-    out.floats.resize(count);
-    int64_t i; uint64_t u;
-    for (size_t k = 0; k < count; ++k) read_scalar(c, et, i, u, out.floats[k]);
+    c.skip(n, "bool elements");
   } else {
-    out.ints.resize(count);
-    uint64_t u; double f;
-    for (size_t k = 0; k < count; ++k) read_scalar(c, et, out.ints[k], u, f);
+    c.skip(n * min_elem, "array elements");  // n * min_elem <= remaining(): no overflow
   }
+  out.end = c.pos();
 }
 
-void read_value(Cursor& c, GgufValueType type, GgufValue& out, uint32_t depth) {
+void read_value(Cursor& c, GgufValueType type, GgufValue& out) {
   out.type = type;
   if (type == GgufValueType::STRING) {
     out.s = c.str("string value");
   } else if (type == GgufValueType::ARRAY) {
-    read_array(c, out, depth);
+    read_array(c, out, 0);
   } else {
     read_scalar(c, type, out.i, out.u, out.f);
   }
@@ -305,13 +322,15 @@ uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }  // ca
 
 }  // namespace
 
-size_t GgufValue::array_size() const {
-  if (type != GgufValueType::ARRAY) return 0;
-  switch (elem_type) {
-    case GgufValueType::STRING: return strings.size();
-    case GgufValueType::ARRAY: return items.size();
-    case GgufValueType::FLOAT32: case GgufValueType::FLOAT64: return floats.size();
-    default: return ints.size();
+const char* gguf_type_name(GgufValueType t) { return value_type_name(static_cast<uint32_t>(t)); }
+
+uint64_t gguf_fixed_size(GgufValueType t) {
+  switch (t) {
+    case GgufValueType::UINT8: case GgufValueType::INT8: case GgufValueType::BOOL: return 1;
+    case GgufValueType::UINT16: case GgufValueType::INT16: return 2;
+    case GgufValueType::UINT32: case GgufValueType::INT32: case GgufValueType::FLOAT32: return 4;
+    case GgufValueType::UINT64: case GgufValueType::INT64: case GgufValueType::FLOAT64: return 8;
+    default: return 0;
   }
 }
 
@@ -323,49 +342,82 @@ int64_t GgufTensorInfo::n_elements() const {
 
 GgufFile::~GgufFile() {
   if (base_) munmap(const_cast<uint8_t*>(base_), static_cast<size_t>(size_));
+  if (fd_ >= 0) ::close(fd_);
 }
 
-std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
-  std::shared_ptr<GgufFile> f(new GgufFile());
-  f->path_ = path;
+namespace {
 
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+const char* file_kind(mode_t m) {
+  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  return "not a regular file";
+}
+
+// Printable form of a path for messages: unchanged when it is valid UTF-8.
+std::string display(const std::string& path) {
+  if (valid_utf8(path)) return path;
+  std::string q = quote(path);
+  return q.substr(1, q.size() - 2);
+}
+
+}  // namespace
+
+std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
+  std::shared_ptr<GgufFile> f(new GgufFile());
+  f->path_ = in_path;
+  f->shown_ = display(in_path);
+  const std::string& path = f->shown_;  // every message below uses the printable form
+
+  // stat() before open(): opening a FIFO for reading blocks until a writer appears, and
+  // opening a device can have side effects. O_NONBLOCK covers a path swapped in between.
+  struct stat st;
+  if (::stat(in_path.c_str(), &st) != 0) {
+    int e = errno;
+    fail(ErrorKind::InvalidInput, path, ": cannot open: ", std::strerror(e));
+  }
+  if (S_ISDIR(st.st_mode)) fail(ErrorKind::InvalidInput, path, ": cannot open: Is a directory");
+  if (!S_ISREG(st.st_mode)) {
+    fail(ErrorKind::InvalidInput, path, ": not a regular file: it is ", file_kind(st.st_mode),
+         "; give the path of a .gguf file");
+  }
+  int fd = ::open(in_path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) {
     int e = errno;
     fail(ErrorKind::InvalidInput, path, ": cannot open: ", std::strerror(e));
   }
-  struct stat st;
+  f->fd_ = fd;  // closed by the destructor from here on
   if (fstat(fd, &st) != 0) {
     int e = errno;
-    ::close(fd);
     fail(ErrorKind::InvalidInput, path, ": cannot stat: ", std::strerror(e));
   }
-  if (S_ISDIR(st.st_mode)) {
-    ::close(fd);
-    fail(ErrorKind::InvalidInput, path, ": cannot open: Is a directory");
-  }
+  if (S_ISDIR(st.st_mode)) fail(ErrorKind::InvalidInput, path, ": cannot open: Is a directory");
   if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(ErrorKind::InvalidInput, path, ": not a regular file");
+    fail(ErrorKind::InvalidInput, path, ": not a regular file: it is ", file_kind(st.st_mode),
+         "; give the path of a .gguf file");
   }
+  int fl = fcntl(fd, F_GETFL);
+  if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  f->mtime_sec_ = static_cast<int64_t>(st.st_mtim.tv_sec);
+  f->mtime_nsec_ = static_cast<int64_t>(st.st_mtim.tv_nsec);
   uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size == 0) {
-    ::close(fd);
     fail(ErrorKind::InvalidInput, path, ": truncated: the file is empty (0 bytes), not a GGUF file");
   }
   if (size > static_cast<uint64_t>(std::numeric_limits<size_t>::max())) {
-    ::close(fd);
     fail(ErrorKind::InvalidInput, path, ": file too large to map");
   }
   void* m = mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_PRIVATE, fd, 0);
-  int merr = errno;
-  ::close(fd);
-  if (m == MAP_FAILED) fail(ErrorKind::InvalidInput, path, ": cannot mmap: ", std::strerror(merr));
+  if (m == MAP_FAILED) {
+    int e = errno;
+    fail(ErrorKind::InvalidInput, path, ": cannot mmap: ", std::strerror(e));
+  }
   f->base_ = static_cast<const uint8_t*>(m);
   f->size_ = size;
   const uint8_t* p = f->base_;
 
-  Cursor c(f->path_, p, size);
+  Cursor c(path, p, size);
   c.where = "header";
   if (std::memcmp(p, "GGUF", size < 4 ? static_cast<size_t>(size) : 4) != 0) {
     not_gguf(path, p, size);
@@ -400,11 +452,19 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
                        " cannot fit in the " + std::to_string(c.remaining()) +
                        " bytes after the header of the " + std::to_string(size) + "-byte file");
   }
+  if (kv_count > kMaxKeys) {
+    c.error(kc_at, "kv_count " + std::to_string(kv_count) + " is more than the " +
+                       std::to_string(kMaxKeys) + " metadata keys this reader accepts");
+  }
+  if (tensor_count > kMaxTensors) {
+    c.error(tc_at, "tensor_count " + std::to_string(tensor_count) + " is more than the " +
+                       std::to_string(kMaxTensors) + " tensors this reader accepts");
+  }
 
   // ---- key/value metadata ----
+  // Exact reservations: the index holds views into these vectors, so they must not reallocate.
   f->kv_.reserve(static_cast<size_t>(kv_count));
-  std::unordered_set<std::string> keys;
-  keys.reserve(static_cast<size_t>(kv_count));
+  f->key_index_.reserve(static_cast<size_t>(kv_count));
   bool have_alignment = false;
   for (uint64_t k = 0; k < kv_count; ++k) {
     c.where = "key #" + std::to_string(k);
@@ -413,11 +473,11 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
     if (key.empty()) c.error(key_at, "empty metadata key");
     if (!valid_utf8(key)) c.error(key_at, "metadata key " + quote(key) + " is not valid UTF-8");
     c.where = "key #" + std::to_string(k) + " (" + quote(key) + ")";
-    if (!keys.insert(key).second) c.error(key_at, "duplicate metadata key " + quote(key));
+    if (f->key_index_.count(key)) c.error(key_at, "duplicate metadata key " + quote(key));
     auto type = static_cast<GgufValueType>(read_value_type(c, "value type"));
     uint64_t val_at = c.pos();
     GgufValue v;
-    read_value(c, type, v, 0);
+    read_value(c, type, v);
     if (key == "general.alignment") {
       if (type != GgufValueType::UINT32) {
         c.error(val_at, "general.alignment has type " + describe_type(v) + ", expected uint32");
@@ -430,14 +490,14 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
       have_alignment = true;
     }
     f->kv_.emplace_back(std::move(key), std::move(v));
+    f->key_index_.emplace(std::string_view(f->kv_.back().first), f->kv_.size() - 1);
   }
   if (!have_alignment) f->alignment_ = kDefaultAlignment;
   const uint64_t align = f->alignment_;
 
   // ---- tensor infos ----
   f->tensors_.reserve(static_cast<size_t>(tensor_count));
-  std::unordered_set<std::string> names;
-  names.reserve(static_cast<size_t>(tensor_count));
+  f->tensor_index_.reserve(static_cast<size_t>(tensor_count));
   std::vector<uint64_t> offset_pos;  // byte position of each tensor's offset field
   offset_pos.reserve(static_cast<size_t>(tensor_count));
   for (uint64_t t = 0; t < tensor_count; ++t) {
@@ -450,7 +510,9 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
       c.error(name_at, "tensor name " + quote(ti.name) + " is not valid UTF-8");
     }
     c.where = "tensor info #" + std::to_string(t) + " (" + quote(ti.name) + ")";
-    if (!names.insert(ti.name).second) c.error(name_at, "duplicate tensor name " + quote(ti.name));
+    if (f->tensor_index_.count(ti.name)) {
+      c.error(name_at, "duplicate tensor name " + quote(ti.name));
+    }
     uint64_t nd_at = c.pos();
     uint32_t n_dims = c.u32("n_dims");
     if (n_dims < 1 || n_dims > 4) {
@@ -487,6 +549,7 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
     offset_pos.push_back(c.pos());
     ti.offset = c.u64("offset");  // relative to the data section for now
     f->tensors_.push_back(std::move(ti));
+    f->tensor_index_.emplace(std::string_view(f->tensors_.back().name), f->tensors_.size() - 1);
   }
 
   // ---- data section ----
@@ -526,17 +589,75 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
 }
 
 const GgufValue* GgufFile::find(const std::string& key) const {
-  for (const auto& kv : kv_) {
-    if (kv.first == key) return &kv.second;
-  }
-  return nullptr;
+  auto it = key_index_.find(std::string_view(key));
+  return it == key_index_.end() ? nullptr : &kv_[it->second].second;
 }
 
 const GgufTensorInfo* GgufFile::find_tensor(const std::string& name) const {
-  for (const auto& t : tensors_) {
-    if (t.name == name) return &t;
+  auto it = tensor_index_.find(std::string_view(name));
+  return it == tensor_index_.end() ? nullptr : &tensors_[it->second];
+}
+
+GgufValue GgufFile::read_element(const GgufValue& array, uint64_t& pos) const {
+  if (array.type != GgufValueType::ARRAY || array.end > size_ || pos < array.begin ||
+      pos >= array.end) {
+    fail(ErrorKind::InvalidInput, shown_, ": internal: element position ", pos,
+         " is outside the array [", array.begin, ", ", array.end, ")");
   }
-  return nullptr;
+  // The bytes were validated at open; bounds are checked again against the array's own range
+  // because a file rewritten in place can change what the mapping shows.
+  Cursor c(shown_, base_, array.end);
+  c.seek(pos);
+  c.where = "array element";
+  GgufValue v;
+  try {
+    switch (array.elem_type) {
+      case GgufValueType::STRING: v.type = GgufValueType::STRING; v.s = c.str("string"); break;
+      case GgufValueType::ARRAY: read_array(c, v, array.depth + 1); break;
+      default: v.type = array.elem_type; read_scalar(c, array.elem_type, v.i, v.u, v.f); break;
+    }
+  } catch (const Error& e) {
+    fail(ErrorKind::InvalidInput, shown_, ": a metadata array no longer reads as it did when the "
+         "file was opened (was the file modified?): ", e.what());
+  }
+  pos = c.pos();
+  return v;
+}
+
+std::vector<uint64_t> GgufFile::element_offsets(const GgufValue& array) const {
+  std::vector<uint64_t> out;
+  if (array.type != GgufValueType::ARRAY) return out;
+  out.reserve(static_cast<size_t>(array.count));
+  const uint64_t fs = fixed_size(array.elem_type);
+  uint64_t pos = array.begin;
+  for (uint64_t k = 0; k < array.count; ++k) {
+    out.push_back(pos);
+    if (fs) {
+      pos += fs;
+    } else {
+      read_element(array, pos);  // strings and nested arrays: walk to find the next start
+    }
+  }
+  return out;
+}
+
+void GgufFile::check_unchanged() const {
+  struct stat st;
+  if (fd_ < 0 || fstat(fd_, &st) != 0) {
+    int e = errno;
+    fail(ErrorKind::InvalidInput, shown_, ": cannot stat the open model file: ", std::strerror(e));
+  }
+  const uint64_t now = static_cast<uint64_t>(st.st_size);
+  if (now < size_) {
+    fail(ErrorKind::InvalidInput, shown_, ": the file shrank from ", size_, " to ", now,
+         " bytes while it was in use; reading the missing part would crash (SIGBUS), reload "
+         "the model");
+  }
+  if (now != size_ || static_cast<int64_t>(st.st_mtim.tv_sec) != mtime_sec_ ||
+      static_cast<int64_t>(st.st_mtim.tv_nsec) != mtime_nsec_) {
+    fail(ErrorKind::InvalidInput, shown_, ": the file was modified while it was in use (size or "
+         "modification time changed); reload the model");
+  }
 }
 
 namespace {
@@ -573,37 +694,37 @@ double as_float(const std::string& path, const std::string& key, const GgufValue
 
 int64_t GgufFile::get_int(const std::string& key) const {
   const GgufValue* v = find(key);
-  if (!v) missing(path_, key);
-  return as_int(path_, key, *v);
+  if (!v) missing(shown_, key);
+  return as_int(shown_, key, *v);
 }
 
 int64_t GgufFile::get_int(const std::string& key, int64_t def) const {
   const GgufValue* v = find(key);
-  return v ? as_int(path_, key, *v) : def;
+  return v ? as_int(shown_, key, *v) : def;
 }
 
 double GgufFile::get_float(const std::string& key) const {
   const GgufValue* v = find(key);
-  if (!v) missing(path_, key);
-  return as_float(path_, key, *v);
+  if (!v) missing(shown_, key);
+  return as_float(shown_, key, *v);
 }
 
 double GgufFile::get_float(const std::string& key, double def) const {
   const GgufValue* v = find(key);
-  return v ? as_float(path_, key, *v) : def;
+  return v ? as_float(shown_, key, *v) : def;
 }
 
 std::string GgufFile::get_string(const std::string& key) const {
   const GgufValue* v = find(key);
-  if (!v) missing(path_, key);
-  if (v->type != GgufValueType::STRING) wrong_type(path_, key, *v, "string");
+  if (!v) missing(shown_, key);
+  if (v->type != GgufValueType::STRING) wrong_type(shown_, key, *v, "string");
   return v->s;
 }
 
 std::string GgufFile::get_string(const std::string& key, const std::string& def) const {
   const GgufValue* v = find(key);
   if (!v) return def;
-  if (v->type != GgufValueType::STRING) wrong_type(path_, key, *v, "string");
+  if (v->type != GgufValueType::STRING) wrong_type(shown_, key, *v, "string");
   return v->s;
 }
 
@@ -612,7 +733,7 @@ bool GgufFile::get_bool(const std::string& key, bool def) const {
   if (!v) return def;
   if (v->type == GgufValueType::BOOL) return v->i != 0;
   if (is_integer(v->type)) return v->i != 0;
-  wrong_type(path_, key, *v, "bool");
+  wrong_type(shown_, key, *v, "bool");
 }
 
 void GgufFile::advise_random() const {

@@ -6,26 +6,64 @@ import collections
 from . import _core
 
 
+def _show(v, limit: int = 80) -> str:
+    """A metadata value for display: arrays summarised, long text cut, never a traceback."""
+    if v is None:
+        return "?"
+    if isinstance(v, str):
+        return v if len(v) <= limit else v[:limit] + "..."
+    if isinstance(v, (bool, int, float)):
+        return str(v)
+    n = _count(v)
+    if n is not None:
+        et = getattr(v, "elem_type", None) or getattr(v, "dtype", None) or "value"
+        return f"<array of {n} {et}>"
+    return f"<{type(v).__name__}>"
+
+
+def _count(v) -> int | None:
+    """Number of elements of an array value (numpy array, GgufArray or list); None otherwise."""
+    if isinstance(v, (str, bytes, bytearray, dict)) or getattr(v, "ndim", 1) == 0:
+        return None
+    try:
+        return len(v)
+    except TypeError:
+        return None
+
+
 def describe(model: str, show_tensors: bool = False) -> str:
     from .engine import resolve_model
 
     path = resolve_model(model)
     f = _core.GgufFile(path)
     md = f.metadata()
-    arch = md.get("general.architecture", "?")
+    arch = md.get("general.architecture")
+    arch = arch if isinstance(arch, str) else "?"
     lines = [f"file:          {path}",
              f"size:          {f.file_size / 2**20:.1f} MiB (GGUF v{f.version}, {len(md)} metadata keys)",
-             f"name:          {md.get('general.name', '?')}",
-             f"architecture:  {arch}"]
+             f"name:          {_show(md.get('general.name'))}",
+             f"architecture:  {_show(md.get('general.architecture'))}"]
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                 "attention.head_count_kv", "context_length", "rope.freq_base", "expert_count",
                 "expert_used_count"):
         v = md.get(f"{arch}.{key}")
         if v is not None:
-            lines.append(f"  {key + ':':<26}{v}")
+            lines.append(f"  {key + ':':<26}{_show(v)}")
     tok = md.get("tokenizer.ggml.tokens")
-    lines.append(f"tokenizer:     {md.get('tokenizer.ggml.model', '?')} / pre={md.get('tokenizer.ggml.pre', '?')}, "
-                 f"{len(tok) if tok else 0} tokens, chat template: {'yes' if md.get('tokenizer.chat_template') else 'no'}")
+    n_tok = _count(tok)
+    if tok is None:
+        tokens = "0 tokens"
+    elif n_tok is None:
+        tokens = f"tokenizer.ggml.tokens is not an array ({_show(tok)})"
+    else:
+        tokens = f"{n_tok} tokens"
+    template = md.get("tokenizer.chat_template")
+    if isinstance(template, str) or template is None:
+        has_template = "yes" if template else "no"
+    else:
+        has_template = "malformed (not a string)"
+    lines.append(f"tokenizer:     {_show(md.get('tokenizer.ggml.model'))} / "
+                 f"pre={_show(md.get('tokenizer.ggml.pre'))}, {tokens}, chat template: {has_template}")
     tensors = f.tensors()
     n_el = collections.Counter()
     n_by = collections.Counter()

@@ -11,12 +11,25 @@ This module has no dependency on the native core.
 from __future__ import annotations
 
 import codecs
+import re
 import dataclasses
 import threading
 import warnings
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-__all__ = ["Tokenizer", "StreamDecoder", "TokenAttr", "bytes_to_unicode"]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_text(text: str) -> str:
+    """`text` with every lone surrogate (bad input, or undecodable bytes kept by Python's
+    surrogateescape) replaced by U+FFFD; surrogate pairs become the character they encode.
+    Such strings cannot be encoded as UTF-8, so the tokenizer would refuse them."""
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+__all__ = ["Tokenizer", "StreamDecoder", "TokenAttr", "bytes_to_unicode", "clean_text"]
 
 
 # --------------------------------------------------------------------------------------
@@ -187,29 +200,77 @@ _FIM_SEP_TEXTS = ("<|file_sep|>",)
 
 # --------------------------------------------------------------------------------------
 # metadata helpers
+#
+# Values come from tensorfold._core.GgufFile.metadata() (numeric arrays as numpy arrays, string
+# arrays as lazy GgufArray sequences) or from plain dicts of Python values. A value of the wrong
+# type or range is a malformed file: always ValueError naming the key, never TypeError or
+# OverflowError.
+
+
+def _type_name(v: Any) -> str:
+    dtype = getattr(v, "dtype", None)
+    if dtype is not None and getattr(v, "ndim", 0) == 1:
+        return f"an array of {dtype}"
+    et = getattr(v, "elem_type", None)
+    if isinstance(et, str):
+        return f"an array of {et}"
+    if isinstance(v, (list, tuple)):
+        return "a list"
+    return type(v).__name__
+
+
+def _is_int(v: Any) -> bool:
+    """Python or numpy integer (bool excluded: a flag is not an id)."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return True
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return False
+    return isinstance(v, np.integer)
+
+
+def _is_array(v: Any) -> bool:
+    if isinstance(v, (str, bytes, bytearray, Mapping)) or getattr(v, "ndim", 1) == 0:
+        return False
+    return isinstance(v, (list, tuple)) or hasattr(v, "__len__") and hasattr(v, "__getitem__")
 
 
 def _md_int(md: Mapping[str, Any], key: str) -> int | None:
     v = md.get(key)
     if v is None:
         return None
-    if isinstance(v, (list, tuple)):
+    if _is_array(v):
         if len(v) != 1:
-            raise ValueError(f"GGUF key {key!r}: expected an integer, got a list")
+            raise ValueError(f"GGUF key {key!r}: expected an integer, got {_type_name(v)}")
         v = v[0]
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"GGUF key {key!r}: expected an integer, got {v!r}") from None
+    if not _is_int(v):
+        raise ValueError(f"GGUF key {key!r}: expected an integer, got {_type_name(v)} {v!r:.80}")
+    return int(v)
 
 
 def _md_bool(md: Mapping[str, Any], key: str) -> bool | None:
+    """A bool; integers 0/1 and the strings "true"/"false" (any case) are accepted too, since
+    some converters wrote them. Anything else is refused rather than guessed."""
     v = md.get(key)
     if v is None:
         return None
-    if isinstance(v, (list, tuple)) and len(v) == 1:
+    if _is_array(v) and len(v) == 1:
         v = v[0]
-    return bool(v)
+    if isinstance(v, bool):
+        return v
+    if _is_int(v) or type(v).__name__ == "bool_":  # numpy bool / integers
+        if int(v) in (0, 1):
+            return bool(int(v))
+    elif isinstance(v, (str, bytes, bytearray)):
+        text = v.decode("utf-8", errors="replace") if not isinstance(v, str) else v
+        word = text.strip().lower()
+        if word in ("true", "false"):
+            return word == "true"
+        raise ValueError(f"GGUF key {key!r}: expected a bool, got the string {text!r:.80}")
+    raise ValueError(f"GGUF key {key!r}: expected a bool, got {_type_name(v)} {v!r:.80}")
 
 
 def _md_str(md: Mapping[str, Any], key: str) -> str | None:
@@ -219,7 +280,7 @@ def _md_str(md: Mapping[str, Any], key: str) -> str | None:
     if isinstance(v, (bytes, bytearray)):
         return bytes(v).decode("utf-8", errors="replace")
     if not isinstance(v, str):
-        raise ValueError(f"GGUF key {key!r}: expected a string, got {type(v).__name__}")
+        raise ValueError(f"GGUF key {key!r}: expected a string, got {_type_name(v)}")
     return v
 
 
@@ -227,15 +288,43 @@ def _md_str_list(md: Mapping[str, Any], key: str) -> list[str] | None:
     v = md.get(key)
     if v is None:
         return None
-    if isinstance(v, (str, bytes)):
-        raise ValueError(f"GGUF key {key!r}: expected an array of strings")
+    et = getattr(v, "elem_type", None)
+    if et is not None and hasattr(v, "tolist"):  # GgufArray: one native pass
+        if et != "string":
+            raise ValueError(f"GGUF key {key!r}: expected an array of strings, got {_type_name(v)}")
+        return v.tolist()
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"GGUF key {key!r}: expected an array of strings, got {_type_name(v)}")
     out = []
-    for x in v:
+    for i, x in enumerate(v):
         if isinstance(x, (bytes, bytearray)):
             x = bytes(x).decode("utf-8", errors="replace")
         elif not isinstance(x, str):
-            raise ValueError(f"GGUF key {key!r}: expected an array of strings")
+            raise ValueError(
+                f"GGUF key {key!r}: expected an array of strings, element {i} is {_type_name(x)}"
+            )
         out.append(x)
+    return out
+
+
+def _md_int_list(md: Mapping[str, Any], key: str) -> list[int] | None:
+    v = md.get(key)
+    if v is None:
+        return None
+    dtype = getattr(v, "dtype", None)
+    if dtype is not None and getattr(v, "ndim", None) == 1:  # numpy array
+        if dtype.kind not in "iu":
+            raise ValueError(f"GGUF key {key!r}: expected an array of integers, got {_type_name(v)}")
+        return v.tolist()
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"GGUF key {key!r}: expected an array of integers, got {_type_name(v)}")
+    out = []
+    for i, x in enumerate(v):
+        if not _is_int(x):
+            raise ValueError(
+                f"GGUF key {key!r}: expected an array of integers, element {i} is {_type_name(x)}"
+            )
+        out.append(int(x))
     return out
 
 
@@ -367,6 +456,7 @@ class Tokenizer:
         self.clean_spaces: bool = spec.clean_spaces
 
         self._merges = merges
+        self._merge_pairs = self._check_merges(merges)
         self._hf = self._build_hf(encode_special=False)
         self._hf_plain = None  # lazily built: control tokens not parsed (parse_special=False)
         self._hf_lock = threading.Lock()
@@ -391,9 +481,7 @@ class Tokenizer:
         merges = _md_str_list(md, "tokenizer.ggml.merges")
         if merges is None:
             raise ValueError("BPE tokenizer has no merges (tokenizer.ggml.merges)")
-        types = md.get("tokenizer.ggml.token_type")
-        if types is not None:
-            types = list(types)
+        types = _md_int_list(md, "tokenizer.ggml.token_type")
         fim = {
             "pad": _md_int(md, "tokenizer.ggml.fim_pad_token_id"),
             "rep": _md_int(md, "tokenizer.ggml.fim_rep_token_id"),
@@ -415,18 +503,43 @@ class Tokenizer:
             add_eos=_md_bool(md, "tokenizer.ggml.add_eos_token"),
         )
 
-    def _build_hf(self, encode_special: bool):
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
-
+    def _check_merges(self, merges: Sequence[str]) -> list[tuple[str, str]]:
+        """Merge pairs, each checked against the vocabulary: the `tokenizers` library rejects a
+        pair whose pieces or result are not tokens with a bare Exception (or a Rust panic)."""
         vocab = self._token_to_id
         pairs = []
-        for m in self._merges:
+        for i, m in enumerate(merges):
             # split at the first space after the first character (a piece may start with one)
             pos = m.find(" ", 1)
             if pos < 0:
                 continue
-            pairs.append((m[:pos], m[pos + 1:]))
+            a, b = m[:pos], m[pos + 1:]
+            for piece in (a, b, a + b):
+                if piece not in vocab:
+                    raise ValueError(
+                        f"tokenizer.ggml.merges[{i}] ({m!r:.80}): {piece!r:.80} is not in "
+                        f"tokenizer.ggml.tokens"
+                    )
+            pairs.append((a, b))
+        return pairs
+
+    def _build_hf(self, encode_special: bool):
+        try:
+            return self._build_hf_unchecked(encode_special)
+        except (MemoryError, KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:  # tokenizers raises bare Exception, or a Rust PanicException
+            raise ValueError(
+                f"cannot build the tokenizer from tokenizer.ggml.tokens / tokenizer.ggml.merges: "
+                f"{type(e).__name__}: {e}"
+            ) from None
+
+    def _build_hf_unchecked(self, encode_special: bool):
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        vocab = self._token_to_id
+        pairs = self._merge_pairs
         bpe = models.BPE(
             vocab=vocab,
             merges=pairs,
@@ -500,6 +613,7 @@ class Tokenizer:
         """Token ids of ``text``, as llama.cpp's ``llama_tokenize`` gives them."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
+        text = clean_text(text)
         if parse_special:
             hf = self._hf
         else:
