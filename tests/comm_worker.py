@@ -52,9 +52,10 @@ def digest(a: np.ndarray) -> str:
     return hashlib.sha256(a.tobytes()).hexdigest()[:16]
 
 
-def connect(rank: int, port: int, rails=RAILS, timeout: float = 10.0, handshake: str = "test"):
+def connect(rank: int, port: int, rails=RAILS, timeout: float = 10.0, handshake: str = "test",
+            token: str = ""):
     return comm.Group(rank, 2, f"127.0.0.1:{port}", rails=rails, timeout=timeout,
-                      handshake=handshake)
+                      handshake=handshake, token=token)
 
 
 def check_all_reduce(g, rank: int, n: int, dtype: str, seed: int) -> str:
@@ -107,11 +108,17 @@ def mode_suite(rank: int, port: int, args: dict) -> dict:
 
 
 def mode_handshake(rank: int, port: int, args: dict) -> dict:
+    t = time.monotonic()
     try:
-        connect(rank, port, handshake=args["handshake"])
+        g = connect(rank, port, handshake=args.get("handshake", "test"), token=args.get("token", ""),
+                    timeout=float(args.get("timeout", 10.0)))
     except (ValueError, RuntimeError) as e:
-        return {"error": type(e).__name__, "message": str(e)}
-    return {"error": None}
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t}
+    # admitted: prove the link works
+    x = np.full(5, rank + 1, dtype=np.float32)
+    g.all_reduce(x)
+    g.close()
+    return {"error": None, "sum": float(x[0])}
 
 
 def mode_loop(rank: int, port: int, args: dict) -> dict:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import tensorfold.comm as comm
+from tensorfold._core import comm as core_comm
 
 WORKER = str(Path(__file__).with_name("comm_worker.py"))
 
@@ -127,11 +128,110 @@ def test_single_default_rail():
 
 
 def test_handshake_mismatch_fails_on_both_ranks():
-    r0, r1 = run_pair("handshake", {"handshake": "model-sha:aaaa"}, {"handshake": "model-sha:bbbb"})
+    # Rank 1 is refused at once; rank 0 drops the connection and keeps listening for the right
+    # peer until its own timeout, then reports what it rejected.
+    r0, r1 = run_pair("handshake", {"handshake": "model-sha:aaaa", "timeout": 2},
+                      {"handshake": "model-sha:bbbb"})
     for r in (r0, r1):
         assert r["error"] in ("ValueError", "RuntimeError"), r
         assert "handshake" in r["message"] and "differs" in r["message"], r
         assert "model-sha:aaaa" in r["message"] and "model-sha:bbbb" in r["message"]
+    assert r1["error"] == "ValueError" and r1["seconds"] < 1.5, r1
+    assert r0["error"] == "RuntimeError" and "rejected 1 connection(s)" in r0["message"], r0
+    assert "127.0.0.1:" in r0["message"] and "0.0.0.0:0" not in r0["message"], r0
+
+
+@pytest.mark.parametrize("tok0,tok1,why", [
+    ("s3cret", "s3cret", None),
+    ("s3cret", "other", "token mismatch"),
+    ("s3cret", "", "gave no token"),
+    ("", "s3cret", "requires a token"),
+])
+def test_token_admits_only_a_peer_that_knows_it(tok0, tok1, why):
+    r0, r1 = run_pair("handshake", {"token": tok0, "timeout": 2}, {"token": tok1})
+    if why is None:
+        assert r0 == r1 == {"error": None, "sum": 3.0}
+        return
+    # the connecting rank learns why at once; the listening rank kept listening, then says why
+    assert r1["error"] == "ValueError" and r1["seconds"] < 1.5, r1
+    assert r0["error"] == "RuntimeError" and "rejected 1 connection(s)" in r0["message"], r0
+    for r in (r0, r1):
+        assert "token" in r["message"], r
+        # the secret itself never shows up (and never crossed the wire in clear)
+        assert "s3cret" not in r["message"] and "other" not in r["message"], r
+    assert why in r0["message"] + r1["message"]
+
+
+def test_sha256_and_hmac_match_hashlib():
+    import hashlib
+    import hmac
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 3, 55, 56, 57, 63, 64, 65, 119, 120, 128, 1000, 100_000):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert core_comm._sha256(data) == hashlib.sha256(data).digest(), n
+        for klen in (0, 1, 32, 63, 64, 65, 200):
+            key = rng.integers(0, 256, klen, dtype=np.uint8).tobytes()
+            want = hmac.new(key, data, hashlib.sha256).digest()
+            assert core_comm._hmac_sha256(key, data) == want, (n, klen)
+
+
+def test_stray_connections_do_not_take_the_peers_place():
+    """Garbage, a 2^31 length prefix, a connect-then-close and a silent connection reach rank 0
+    first; each is rejected (and logged with its real address) and the real peer still gets in."""
+    import struct
+
+    port = free_port()
+    p0 = spawn("handshake", 0, port, timeout=20)
+    try:
+        strays = []
+
+        def stray(payload: bytes | None, close: bool = True) -> socket.socket:
+            end = time.monotonic() + 10
+            while True:
+                s = socket.socket()
+                try:
+                    s.connect(("127.0.0.1", port))
+                    break
+                except ConnectionRefusedError:
+                    s.close()
+                    assert time.monotonic() < end, "rank 0 never listened"
+                    time.sleep(0.05)
+            if payload:
+                s.sendall(payload)
+            strays.append(s.getsockname()[1])
+            if close:
+                time.sleep(0.3)
+                s.close()
+            return s
+
+        stray(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        stray(struct.pack("<I", 2**31) + b"x" * 64)
+        stray(struct.pack("<I", 5) + b"hello")
+        stray(None)
+        silent = stray(None, close=False)
+        t = time.monotonic()
+        p1 = spawn("handshake", 1, port)
+        out1, _ = p1.communicate(timeout=30)
+        silent.close()
+        out0, _ = p0.communicate(timeout=30)
+        assert p0.returncode == 0 and p1.returncode == 0, out0 + out1
+        assert result_of(out0) == result_of(out1) == {"error": None, "sum": 3.0}
+        # the silent connection cost at most its handshake deadline (3 s), not the timeout
+        assert time.monotonic() - t < 8
+        rejected = [ln for ln in out0.splitlines() if "rejected a connection" in ln]
+        assert len(rejected) == 5, out0
+        for sport in strays:
+            assert any(f"from 127.0.0.1:{sport} " in ln for ln in rejected), (sport, out0)
+        assert "0.0.0.0:0" not in out0
+        assert "bad message length 2147483648" in out0
+        assert "not a TensorFold comm peer" in out0
+        assert "by peer" in out0 and "timed out" in out0
+    finally:
+        for p in (p0,):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 @pytest.mark.parametrize("killer,rail,after,n", [

@@ -4,7 +4,6 @@ weights; a lost peer is an error within the timeout; mismatched ranks are refuse
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import socket
@@ -154,13 +153,16 @@ def test_rank0_killed_worker_exits_with_error(tiny_moe):
 
 
 def test_mismatched_ranks_are_refused(tiny_moe):
+    """Rank 0 is refused at once; the worker drops it, keeps listening for a matching rank 0
+    until its own timeout, then exits saying what it rejected."""
     port = free_port()
-    worker = start_worker(tiny_moe, port, "-c", "128")
+    worker = start_worker(tiny_moe, port, "-c", "128", "--tp-timeout", "3")
     try:
         with pytest.raises((RuntimeError, ValueError), match="(?i)differ|mismatch|handshake"):
             tensorfold.Engine(tiny_moe, threads=1, context=256, tp=2, rank=0, peer=f"127.0.0.1:{port}", timeout=10)
         _, err = worker.communicate(timeout=30)
         assert worker.returncode != 0 and "Traceback" not in err
+        assert "rejected a connection" in err and "rejected 1 connection(s)" in err and "differs" in err
     finally:
         if worker.poll() is None:
             worker.kill()

@@ -12,6 +12,8 @@
 #include "comm/group.h"
 #include "comm/ibverbs_transport.h"
 #include "core/error.h"
+#include "core/interrupt.h"
+#include "core/sha256.h"
 
 namespace py = pybind11;
 
@@ -94,11 +96,14 @@ Process group of `size` ranks (1 or 2) for tensor parallelism.
 Rank 0 listens on `addr` ("HOST:PORT"); rank 1 connects to it, retrying until `timeout`.
 `rails` lists this rank's local IP per rail (one TCP connection each); empty = one rail on
 the default route. `handshake` must be identical on both ranks (e.g. model hash + TP config)
-or both raise. Every wait is bounded by `timeout` seconds: a lost peer raises RuntimeError.
+or both raise. `token`: optional shared secret; when given, only a peer that proves it knows
+the same token (HMAC challenge-response, the token is never sent) is admitted. Rank 0 drops
+connections that fail the handshake (logged to stderr) and keeps listening until `timeout`.
+Every wait is bounded by `timeout` seconds: a lost peer raises RuntimeError.
 )doc")
       .def(py::init([](int rank, int size, const std::string& addr, std::vector<std::string> rails,
                        double timeout, const std::string& transport, const std::string& handshake,
-                       size_t small_bytes, size_t chunk_bytes) {
+                       size_t small_bytes, size_t chunk_bytes, const std::string& token) {
              comm::GroupOptions o;
              o.rank = rank;
              o.size = size;
@@ -109,9 +114,11 @@ or both raise. Every wait is bounded by `timeout` seconds: a lost peer raises Ru
              o.handshake = handshake;
              o.small_bytes = small_bytes;
              o.chunk_bytes = chunk_bytes;
+             o.token = token;
              PyGroup pg;
              {
                py::gil_scoped_release nogil;
+               InterruptScope ctrl_c;  // connection setup ends on Ctrl-C
                pg.g = comm::Group::create(o);
              }
              pg.rank = pg.g->rank();
@@ -121,7 +128,8 @@ or both raise. Every wait is bounded by `timeout` seconds: a lost peer raises Ru
            py::arg("rank"), py::arg("size"), py::arg("addr") = "",
            py::arg("rails") = std::vector<std::string>{}, py::arg("timeout") = 30.0,
            py::arg("transport") = "tcp", py::arg("handshake") = "",
-           py::arg("small_bytes") = size_t(64) << 10, py::arg("chunk_bytes") = size_t(512) << 10)
+           py::arg("small_bytes") = size_t(64) << 10, py::arg("chunk_bytes") = size_t(512) << 10,
+           py::arg("token") = "")
       .def_property_readonly("rank", [](const PyGroup& p) { return p.rank; })
       .def_property_readonly("size", [](const PyGroup& p) { return p.size; })
       .def(
@@ -177,6 +185,22 @@ or both raise. Every wait is bounded by `timeout` seconds: a lost peer raises Ru
           py::arg("rail"), py::arg("after_bytes") = 0,
           "Test hook: shut rail `rail` down during the next collective once `after_bytes` have "
           "been sent on it.");
+
+  // The handshake's own SHA-256 / HMAC-SHA256, exposed so tests can check them against hashlib.
+  cm.def(
+      "_sha256",
+      [](const py::bytes& data) {
+        const Digest256 d = sha256(std::string(data));
+        return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+      },
+      py::arg("data"));
+  cm.def(
+      "_hmac_sha256",
+      [](const py::bytes& key, const py::bytes& msg) {
+        const Digest256 d = hmac_sha256(std::string(key), std::string(msg));
+        return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+      },
+      py::arg("key"), py::arg("msg"));
 
   // ibverbs (RDMA) availability, for callers and tests choosing transport="ibverbs".
   cm.def("built_with_ibverbs", &comm::built_with_ibverbs,

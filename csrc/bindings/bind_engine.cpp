@@ -1,21 +1,42 @@
-// Binds tf::Engine. Compute releases the GIL.
+// Binds tf::Engine. Every call that may wait for the engine's lock or compute releases the
+// GIL (so one Python thread stepping never freezes the others); long calls run inside an
+// InterruptScope so Ctrl-C ends them (KeyboardInterrupt).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdlib>
+#include <optional>
+
 #include "bindings/bindings.h"
+#include "core/interrupt.h"
 #include "engine/engine.h"
 
 namespace py = pybind11;
 
 namespace tf {
 
+namespace {
+// TP token: the argument, else $TENSORFOLD_TP_TOKEN (the same default on both ranks).
+std::string tp_token(const std::optional<std::string>& given) {
+  if (given) return *given;
+  const char* env = std::getenv("TENSORFOLD_TP_TOKEN");
+  return env ? std::string(env) : std::string();
+}
+
+KvType kv_type_of(const std::string& kv_type) {
+  if (kv_type == "f16") return KvType::F16;
+  if (kv_type == "f32") return KvType::F32;
+  throw py::value_error("kv_type must be 'f16' or 'f32', got '" + kv_type + "'");
+}
+}  // namespace
+
 void bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& path, int threads, int64_t kv_tokens, int64_t context,
                        int max_batch_tokens, const std::string& kv_type, int tp_size, int tp_rank,
                        const std::string& tp_addr, const std::vector<std::string>& tp_rails,
-                       double tp_timeout, bool tp_compatible) {
+                       double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg) {
              EngineOptions o;
              o.tp.compatible = tp_compatible;
              o.tp.size = tp_size;
@@ -23,26 +44,45 @@ void bind_engine(py::module_& m) {
              o.tp.addr = tp_addr;
              o.tp.rails = tp_rails;
              o.tp.timeout_s = tp_timeout;
-             if (kv_type == "f16") o.kv_type = KvType::F16;
-             else if (kv_type == "f32") o.kv_type = KvType::F32;
-             else throw py::value_error("kv_type must be 'f16' or 'f32', got '" + kv_type + "'");
+             o.tp.token = tp_token(tp_token_arg);
+             o.kv_type = kv_type_of(kv_type);
              o.threads = threads;
              o.kv_tokens = kv_tokens;
              o.context = context;
              o.max_batch_tokens = max_batch_tokens;
              py::gil_scoped_release nogil;
+             InterruptScope ctrl_c;  // loading, and waiting for the TP peer
              return std::make_unique<Engine>(path, o);
            }),
            py::arg("path"), py::arg("threads") = 0, py::arg("kv_tokens") = 0, py::arg("context") = 0,
            py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16", py::arg("tp_size") = 1,
            py::arg("tp_rank") = 0, py::arg("tp_addr") = "", py::arg("tp_rails") = std::vector<std::string>{},
-           py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false)
+           py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false, py::arg("tp_token") = py::none(),
+           "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none)")
+      .def_static(
+          "_tp_identity",
+          [](const std::string& path, int tp_size, int64_t context, int64_t kv_tokens, int max_batch_tokens,
+             const std::string& kv_type) {
+            EngineOptions o;
+            o.tp.size = tp_size;
+            o.context = context;
+            o.kv_tokens = kv_tokens;
+            o.max_batch_tokens = max_batch_tokens;
+            o.kv_type = kv_type_of(kv_type);
+            py::gil_scoped_release nogil;
+            return Engine::tp_identity(*GgufFile::open(path), o);
+          },
+          py::arg("path"), py::arg("tp_size") = 2, py::arg("context") = 0, py::arg("kv_tokens") = 0,
+          py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16",
+          "The configuration string TP ranks compare at connect (public, like the file; tests use it)")
       .def("follow",
            [](Engine& e) {
              py::gil_scoped_release nogil;
+             InterruptScope ctrl_c;  // honoured while waiting for rank 0's next command
              e.follow();
            },
            "TP rank 1: execute rank 0's forwards until it shuts down (raises if it is lost)")
+      .def_property_readonly("max_batch_tokens", &Engine::max_batch_tokens)
       .def_property_readonly("tp_rank", &Engine::tp_rank)
       .def_property_readonly("tp_size", &Engine::tp_size)
       .def_property_readonly("weight_bytes", &Engine::weight_bytes)
@@ -60,6 +100,7 @@ void bind_engine(py::module_& m) {
              p.sampling.seed = seed;
              p.eog_ids = eog_ids;
              p.ignore_eos = ignore_eos;
+             py::gil_scoped_release nogil;  // may wait for a step on another thread
              return e.add_request(prompt, p);
            },
            py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("temperature") = 0.8f,
@@ -71,6 +112,7 @@ void bind_engine(py::module_& m) {
              std::vector<StepOutput> out;
              {
                py::gil_scoped_release nogil;
+               InterruptScope ctrl_c;
                out = e.step();
              }
              py::list res;
@@ -79,19 +121,20 @@ void bind_engine(py::module_& m) {
              return res;
            },
            "Advance all active requests by one scheduled batch; returns [(id, token, finished, reason)]")
-      .def("abort", &Engine::abort, py::arg("request_id"))
-      .def("has_unfinished", &Engine::has_unfinished)
-      .def("n_active", &Engine::n_active)
+      .def("abort", &Engine::abort, py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
+      .def("has_unfinished", &Engine::has_unfinished, py::call_guard<py::gil_scoped_release>())
+      .def("n_active", &Engine::n_active, py::call_guard<py::gil_scoped_release>())
       .def("logits",
            [](Engine& e, const std::vector<int32_t>& ids) {
-             std::vector<float> v;
-             {
-               py::gil_scoped_release nogil;
-               v = e.logits(ids);
-             }
+             // The engine writes straight into the array it returns: the result exists once.
              const int64_t V = e.config().n_vocab;
              py::array_t<float> a({int64_t(ids.size()), V});
-             std::copy(v.begin(), v.end(), a.mutable_data());
+             float* out = a.mutable_data();
+             {
+               py::gil_scoped_release nogil;
+               InterruptScope ctrl_c;
+               e.logits(ids, out);
+             }
              return a;
            },
            py::arg("ids"))
@@ -100,6 +143,7 @@ void bind_engine(py::module_& m) {
              std::vector<std::vector<int32_t>> tr;
              {
                py::gil_scoped_release nogil;
+               InterruptScope ctrl_c;
                tr = e.routing(ids);
              }
              return tr;
@@ -108,7 +152,8 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("threads", &Engine::threads)
       .def_property_readonly("context", &Engine::context)
       .def_property_readonly("kv_tokens", &Engine::kv_tokens)
-      .def_property_readonly("free_kv_tokens", &Engine::free_kv_tokens)
+      .def_property_readonly("free_kv_tokens",
+                             py::cpp_function(&Engine::free_kv_tokens, py::call_guard<py::gil_scoped_release>()))
       .def_property_readonly("kv_bytes", &Engine::kv_bytes)
       .def_property_readonly("config", [](const Engine& e) {
         const ModelConfig& c = e.config();
@@ -133,7 +178,17 @@ void bind_engine(py::module_& m) {
         return d;
       })
       .def("stats", [](const Engine& e) {
-        const EngineStats& s = e.stats();
+        EngineStats s;
+        size_t active = 0;
+        int64_t free_kv = 0;
+        std::vector<std::vector<int64_t>> usage;
+        {
+          py::gil_scoped_release nogil;  // each getter may wait for a running step
+          s = e.stats();
+          active = e.n_active();
+          free_kv = e.free_kv_tokens();
+          if (e.config().is_moe()) usage = e.expert_usage();
+        }
         py::dict d;
         d["steps"] = s.steps;
         d["prompt_tokens"] = s.prompt_tokens;
@@ -141,10 +196,10 @@ void bind_engine(py::module_& m) {
         d["preemptions"] = s.preemptions;
         d["prefill_seconds"] = s.prefill_seconds;
         d["decode_seconds"] = s.decode_seconds;
-        d["active_requests"] = e.n_active();
+        d["active_requests"] = active;
         d["kv_tokens"] = e.kv_tokens();
-        d["free_kv_tokens"] = e.free_kv_tokens();
-        if (e.config().is_moe()) d["expert_usage"] = e.expert_usage();
+        d["free_kv_tokens"] = free_kv;
+        if (e.config().is_moe()) d["expert_usage"] = usage;
         return d;
       });
 }

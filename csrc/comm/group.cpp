@@ -34,18 +34,21 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <sstream>
 
 #include "comm/ibverbs_transport.h"
 #include "comm/transport.h"
 #include "core/error.h"
 #include "core/half.h"
+#include "core/interrupt.h"
+#include "core/sha256.h"
 
 namespace tf::comm {
 namespace {
 
 constexpr uint32_t kMsgMagic = 0x54464331;  // "TFC1"
-constexpr const char* kProtocol = "tensorfold-comm 1";
+constexpr const char* kProtocol = "tensorfold-comm 2";  // 2: nonces and token proofs
 constexpr uint32_t kData = 1, kDone = 2, kBye = 3;
 enum OpKind : uint32_t { kAllReduce = 1, kBroadcast = 2, kBarrier = 3 };
 
@@ -145,6 +148,8 @@ struct Op {
   uint32_t recv_chunks = 0, recv_got = 0;
   std::vector<uint8_t> got;
   bool recv_announced = false;
+  // broadcast_idle: Ctrl-C is honoured until the first byte arrives (see group.h).
+  bool idle = false, rx_started = false;
 };
 
 void reduce_into(uint8_t* mine, const uint8_t* peer, size_t n, DType dt, int rank) {
@@ -188,6 +193,7 @@ class SoloGroup final : public Group {
   }
   void barrier() override { ++stats_.barriers; }
   GroupStats stats() const override { return stats_; }
+  void broadcast_idle(void* data, size_t bytes, int root) override { broadcast(data, bytes, root); }
 
  private:
   GroupStats stats_;
@@ -252,12 +258,19 @@ class PairGroup final : public Group {
     run_op(op, [&] { reduce_into(static_cast<uint8_t*>(data), scratch_.get(), count, dtype, rank_); });
   }
 
-  void broadcast(void* data, size_t bytes, int root) override {
+  void broadcast(void* data, size_t bytes, int root) override { broadcast_impl(data, bytes, root, false); }
+  void broadcast_idle(void* data, size_t bytes, int root) override {
+    TF_CHECK(root != rank_, "broadcast_idle is for the receiving rank");
+    broadcast_impl(data, bytes, root, true);
+  }
+
+  void broadcast_impl(void* data, size_t bytes, int root, bool idle) {
     std::lock_guard<std::mutex> lk(op_mu_);
     TF_CHECK(root == 0 || root == 1, "broadcast root ", root, " out of range for a group of size 2");
     check_usable();
     Op op;
     op.kind = kBroadcast;
+    op.idle = idle;
     if (root == rank_) {
       op.has_send = true;
       op.src = static_cast<const uint8_t*>(data);
@@ -762,7 +775,7 @@ class PairGroup final : public Group {
       for (int r = 0; r < nr(); ++r) {
         if (!tr_->up(r)) continue;
         progressed |= pump_tx(r);
-        progressed |= pump_rx(op, r);
+        if (pump_rx(op, r)) progressed = op.rx_started = true;
       }
       check_injected();
       const bool any_live = handle_down(op);
@@ -809,7 +822,13 @@ class PairGroup final : public Group {
         want_tx[size_t(r)] = !rails_[size_t(r)].txq.empty();
       }
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(timeout - (now - last_progress));
-      const int ms = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(left.count() + 1, 100)));
+      int ms = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(left.count() + 1, 100)));
+      if (op.idle && !op.rx_started && op.recv_got == 0) {
+        // Nothing of this collective has arrived: the peer has not started it, so stopping
+        // here interrupts no exchange (the group is unusable afterwards all the same).
+        check_interrupt();
+        ms = std::min(ms, 50);
+      }
       tr_->wait(want_rx, want_tx, ms, rdy_rx, rdy_tx);
     }
     // Input still arriving for this collective can only be a duplicate now; never let it
@@ -854,9 +873,18 @@ class PairGroup final : public Group {
 };
 
 // ---------------------------------------------------------------------------------------
-// Handshake: both ranks send a description of themselves, both check it the same way, then
-// exchange verdicts so that a mismatch is reported on both sides.
-std::string hello_text(const GroupOptions& o, int n_rails) {
+// Handshake, three messages each way on the bootstrap link, both ranks checking the same way:
+//   1. hello: protocol, configuration and a fresh random nonce;
+//   2. proof: "proof <HMAC-SHA256(token, auth text)>" or "proof none" without a token, where the
+//      auth text names both nonces (rank 0's first) and the sender's rank, so a proof is good
+//      for this session and direction only and never reveals the token;
+//   3. verdict: "ok" or "reject <why>", so a mismatch is reported on both ranks.
+// Rank 0 runs it on every connection it accepts and keeps listening after a failure.
+constexpr size_t kMaxHelloBytes = size_t(64) << 10;
+constexpr double kCandidateSeconds = 3.0;  // rank 0: time one connection gets to pass the handshake
+constexpr int kMaxRejectLogs = 20;
+
+std::string hello_text(const GroupOptions& o, int n_rails, const std::string& nonce) {
   std::ostringstream os;
   const uint16_t probe = 1;
   const bool little = *reinterpret_cast<const uint8_t*>(&probe) == 1;
@@ -869,6 +897,8 @@ std::string hello_text(const GroupOptions& o, int n_rails) {
      << "rails " << n_rails << "\n"
      << "small " << o.small_bytes << "\n"
      << "chunk " << o.chunk_bytes << "\n"
+     << "nonce " << nonce << "\n"
+     << "auth " << (o.token.empty() ? "none" : "token") << "\n"
      << "handshake " << o.handshake;
   return os.str();
 }
@@ -893,7 +923,128 @@ std::map<std::string, std::string> parse_hello(const std::string& s) {
 }
 
 std::string clip(const std::string& s) {
-  return s.size() <= 200 ? "'" + s + "'" : "'" + s.substr(0, 200) + "...'";
+  std::string t = s.size() <= 200 ? s : s.substr(0, 200) + "...";
+  for (char& c : t)
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) == 0x7f) c = '?';
+  return "'" + t + "'";
+}
+
+std::string random_nonce() {
+  std::random_device rd;
+  uint8_t b[16];
+  for (int i = 0; i < 16; i += 4) {
+    const uint32_t v = rd();
+    std::memcpy(b + i, &v, 4);
+  }
+  return to_hex(b, sizeof b);
+}
+
+bool is_nonce(const std::string& s) {
+  if (s.size() != 32) return false;
+  for (char c : s)
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  return true;
+}
+
+std::string auth_proof(const std::string& token, const std::string& nonce0, const std::string& nonce1,
+                       int sender_rank) {
+  const std::string text = std::string("tensorfold-comm auth v1\n") + nonce0 + "\n" + nonce1 + "\nrank " +
+                           std::to_string(sender_rank);
+  const Digest256 mac = hmac_sha256(token, text);
+  return to_hex(mac.data(), mac.size());
+}
+
+bool all_digits(const std::string& s, size_t max_len) {
+  if (s.empty() || s.size() > max_len) return false;
+  for (char c : s)
+    if (c < '0' || c > '9') return false;
+  return true;
+}
+
+struct Agreed {
+  size_t small_bytes = 0, chunk_bytes = 0;
+  int n_rails = 1;
+};
+
+// Runs the handshake on one bootstrap link. Throws tf::Error saying what did not match.
+Agreed handshake(const GroupOptions& opts, Bootstrap& boot, Deadline dl, int my_rails) {
+  const std::string my_nonce = random_nonce();
+  const std::string my_hello = hello_text(opts, my_rails, my_nonce);
+  boot.send_msg(my_hello, dl);
+  const std::string peer_text = boot.recv_msg(dl, kMaxHelloBytes);
+  if (peer_text.compare(0, 16, "tensorfold-comm ") != 0)
+    fail(ErrorKind::Runtime, "not a TensorFold comm peer (its first message is not a comm hello)");
+  auto peer = parse_hello(peer_text);
+  auto mine = parse_hello(my_hello);
+  if (peer["protocol"] != mine["protocol"]) {
+    const std::string problem = "peer speaks a different comm protocol version: this rank has " +
+                                clip(mine["protocol"]) + ", peer (" + boot.peer_addr() + ") has " +
+                                clip(peer["protocol"]);
+    try {
+      boot.send_msg("reject " + problem, dl);  // an older peer reads this as the verdict
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::Interrupted) throw;
+    }
+    fail(ErrorKind::InvalidInput, "comm handshake failed: ", problem);
+  }
+  const std::string& peer_nonce = peer["nonce"];
+  const std::string& n0 = opts.rank == 0 ? my_nonce : peer_nonce;
+  const std::string& n1 = opts.rank == 0 ? peer_nonce : my_nonce;
+  boot.send_msg(opts.token.empty() ? "proof none" : "proof " + auth_proof(opts.token, n0, n1, opts.rank), dl);
+  const std::string peer_proof = boot.recv_msg(dl, 1024);
+
+  std::string problem;
+  auto check = [&](const std::string& key, const std::string& what) {
+    if (!problem.empty()) return;
+    if (peer[key] != mine[key])
+      problem = what + ": this rank has " + clip(mine[key]) + ", peer (" + boot.peer_addr() +
+                ") has " + clip(peer[key]);
+  };
+  // Authentication first: an unauthenticated peer learns nothing more about this rank.
+  if (!is_nonce(peer_nonce) || peer_proof.compare(0, 6, "proof ") != 0) {
+    problem = "peer (" + boot.peer_addr() + ") sent a malformed handshake";
+  } else if (!opts.token.empty() && peer_proof == "proof none") {
+    problem = "peer (" + boot.peer_addr() +
+              ") gave no token, but this rank requires one (give both ranks the same --token or "
+              "TENSORFOLD_TP_TOKEN)";
+  } else if (opts.token.empty() && peer_proof != "proof none") {
+    problem = "peer (" + boot.peer_addr() +
+              ") requires a token, but this rank has none (give both ranks the same --token or "
+              "TENSORFOLD_TP_TOKEN)";
+  } else if (!opts.token.empty() &&
+             !equal_ct(peer_proof.substr(6), auth_proof(opts.token, n0, n1, 1 - opts.rank))) {
+    problem = "token mismatch: peer (" + boot.peer_addr() + ") does not know this rank's token";
+  }
+  check("endian", "peer has a different byte order");
+  check("size", "peer's group size differs");
+  check("transport", "peer's transport differs");
+  check("dtypes", "peer supports different dtypes");
+  check("handshake", "peer's handshake (model hash / TP config) differs");
+  if (problem.empty() && peer["rank"] != std::to_string(1 - opts.rank))
+    problem = "both ranks claim rank " + std::to_string(opts.rank) + " (peer " + boot.peer_addr() + ")";
+  if (problem.empty() && (!all_digits(peer["small"], 12) || !all_digits(peer["chunk"], 12) ||
+                          !all_digits(peer["rails"], 2)))
+    problem = "peer (" + boot.peer_addr() + ") sent a malformed handshake";
+  Agreed a;
+  if (problem.empty()) {
+    // Rank 0's tuning wins so both sides chunk identically.
+    const auto num = [](const std::string& v) { return static_cast<size_t>(std::stoull(v)); };
+    a.small_bytes = opts.rank == 0 ? opts.small_bytes : num(peer["small"]);
+    a.chunk_bytes = opts.rank == 0 ? opts.chunk_bytes : num(peer["chunk"]);
+    const size_t peer_rails = num(peer["rails"]);
+    a.n_rails = std::min(my_rails, static_cast<int>(std::min<size_t>(peer_rails, 8)));
+    if (a.small_bytes > (size_t(64) << 20) || a.chunk_bytes < 4096 || a.chunk_bytes > (size_t(256) << 20) ||
+        a.n_rails < 1)
+      problem = "peer (" + boot.peer_addr() + ") proposed invalid comm tuning (small " + peer["small"] +
+                ", chunk " + peer["chunk"] + ", rails " + peer["rails"] + ")";
+  }
+  boot.send_msg(problem.empty() ? "ok" : "reject " + problem, dl);
+  const std::string verdict = boot.recv_msg(dl, kMaxHelloBytes);
+  if (!problem.empty()) fail(ErrorKind::InvalidInput, "comm handshake failed: ", problem);
+  if (verdict != "ok")
+    fail(ErrorKind::InvalidInput, "comm handshake failed: peer rejected it: ",
+         verdict.compare(0, 7, "reject ") == 0 ? verdict.substr(7) : clip(verdict));
+  return a;
 }
 
 }  // namespace
@@ -921,44 +1072,48 @@ std::unique_ptr<Group> Group::create(const GroupOptions& opts) {
   TF_CHECK(!opts.addr.empty(), "comm group of size 2 needs addr='HOST:PORT' (rank 0's bootstrap address)");
 
   const Deadline dl = deadline_after(opts.timeout_s);
-  auto boot = tcp_bootstrap(opts, dl);
   const int my_rails = std::max<int>(1, static_cast<int>(opts.rails.size()));
-  boot->send_msg(hello_text(opts, my_rails), dl);
-  auto peer = parse_hello(boot->recv_msg(dl));
-  auto mine = parse_hello(hello_text(opts, my_rails));
-
-  std::string problem;
-  auto check = [&](const std::string& key, const std::string& what) {
-    if (!problem.empty()) return;
-    if (peer[key] != mine[key])
-      problem = what + ": this rank has " + clip(mine[key]) + ", peer (" + boot->peer_addr() +
-                ") has " + clip(peer[key]);
-  };
-  check("protocol", "peer speaks a different comm protocol version");
-  check("endian", "peer has a different byte order");
-  check("size", "peer's group size differs");
-  check("transport", "peer's transport differs");
-  check("dtypes", "peer supports different dtypes");
-  check("handshake", "peer's handshake (model hash / TP config) differs");
-  if (problem.empty() && peer["rank"] != std::to_string(1 - opts.rank))
-    problem = "both ranks claim rank " + std::to_string(opts.rank) + " (peer " +
-              boot->peer_addr() + ")";
-  boot->send_msg(problem.empty() ? "ok" : "reject " + problem, dl);
-  const std::string verdict = boot->recv_msg(dl);
-  if (!problem.empty()) fail(ErrorKind::InvalidInput, "comm handshake failed: ", problem);
-  if (verdict != "ok")
-    fail(ErrorKind::InvalidInput, "comm handshake failed: peer rejected it: ",
-         verdict.size() > 7 ? verdict.substr(7) : verdict);
-
-  // Rank 0's tuning wins so both sides chunk identically.
-  const GroupOptions& o = opts;
-  const auto num = [](const std::string& s) { return static_cast<size_t>(std::stoull(s)); };
-  const size_t small_bytes = o.rank == 0 ? o.small_bytes : num(peer["small"]);
-  const size_t chunk_bytes = o.rank == 0 ? o.chunk_bytes : num(peer["chunk"]);
-  const int n_rails = std::min(my_rails, static_cast<int>(num(peer["rails"])));
-  auto tr = opts.transport == "ibverbs" ? ibverbs_transport(opts, n_rails, *boot, dl)
-                                         : tcp_transport(opts, n_rails, *boot, dl);
-  return std::make_unique<PairGroup>(opts, std::move(tr), small_bytes, chunk_bytes);
+  std::unique_ptr<Bootstrap> boot;
+  Agreed agreed;
+  if (opts.rank != 0) {
+    boot = tcp_bootstrap_connect(opts, dl);
+    agreed = handshake(opts, *boot, dl, my_rails);
+  } else {
+    // Listen until a connection passes the handshake. Each candidate gets a short deadline
+    // of its own, so garbage, a silent or a half-closed connection costs seconds, not the
+    // group; only the overall deadline (or Ctrl-C) ends the wait.
+    auto listener = tcp_bootstrap_listen(opts);
+    int rejected = 0;
+    std::string last;
+    for (;;) {
+      try {
+        boot = listener->accept(dl);
+      } catch (const Error& e) {
+        if (e.kind() == ErrorKind::Interrupted || rejected == 0) throw;
+        fail(ErrorKind::Runtime, e.what(), "; rejected ", rejected, " connection(s) meanwhile, the last from ",
+             last);
+      }
+      const Deadline cdl = std::min(dl, deadline_after(std::min(kCandidateSeconds, opts.timeout_s)));
+      try {
+        agreed = handshake(opts, *boot, cdl, my_rails);
+        break;
+      } catch (const Error& e) {
+        if (e.kind() == ErrorKind::Interrupted) throw;
+        ++rejected;
+        last = boot->peer_addr() + " (" + e.what() + ")";
+        if (rejected <= kMaxRejectLogs)
+          std::fprintf(stderr, "tensorfold comm: rejected a connection on %s from %s; still waiting for the peer\n",
+                       listener->addr().c_str(), last.c_str());
+        else if (rejected == kMaxRejectLogs + 1)
+          std::fprintf(stderr, "tensorfold comm: more rejected connections on %s; no longer logging them\n",
+                       listener->addr().c_str());
+        boot.reset();
+      }
+    }
+  }
+  auto tr = opts.transport == "ibverbs" ? ibverbs_transport(opts, agreed.n_rails, *boot, dl)
+                                         : tcp_transport(opts, agreed.n_rails, *boot, dl);
+  return std::make_unique<PairGroup>(opts, std::move(tr), agreed.small_bytes, agreed.chunk_bytes);
 }
 
 }  // namespace tf::comm

@@ -2,7 +2,9 @@
 // (sum), broadcast and barrier over one or more "rails" (independent links). Transports
 // (TCP multi-rail, ibverbs dual-rail) sit under one interface; the All-Reduce algorithm
 // (chunking, striping, ordering, rail fail-over) is shared. Every wait has a timeout: a lost
-// peer is a tf::Error within the timeout, never a hang.
+// peer is a tf::Error within the timeout, never a hang. Rank 0 admits only a peer that
+// passes the handshake (protocol, configuration, optional token); anything else that
+// connects is logged to stderr and dropped while rank 0 keeps listening until its timeout.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -26,6 +28,10 @@ struct GroupOptions {
   std::string transport = "tcp";  // "tcp" or "ibverbs"
   // Refused at connect unless both ranks give the same value (model hash, TP size, formats).
   std::string handshake;
+  // Optional shared secret. When set, each rank proves it knows it (HMAC-SHA256 over both
+  // ranks' fresh nonces; the token itself never crosses the wire) and refuses a peer that
+  // cannot. Both ranks must give the same token, or both none.
+  std::string token;
   // Messages up to small_bytes take the one-shot latency path; larger ones are cut into
   // chunk_bytes pieces striped over the rails. Rank 0's values are used by both ranks.
   size_t small_bytes = size_t(64) << 10;
@@ -60,6 +66,11 @@ class Group {
   virtual void broadcast(void* data, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
   virtual GroupStats stats() const = 0;
+  // broadcast() on a receiving rank that idles until the root starts the collective: until
+  // the first byte arrives it waits in slices of <= 50 ms and calls tf::check_interrupt(), so
+  // Ctrl-C ends the wait (Interrupted; the group is unusable afterwards). Once data arrives
+  // it completes exactly like broadcast(); the usual timeout applies throughout.
+  virtual void broadcast_idle(void* data, size_t bytes, int root) = 0;
   // Test hook: take `rail` down (shut its link) during the next collective, once this rank
   // has sent at least `after_bytes` on that rail in it. Groups without rails refuse.
   virtual void debug_fail_rail(int rail, uint64_t after_bytes);

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -23,12 +24,14 @@
 
 #include "comm/transport.h"
 #include "core/error.h"
+#include "core/interrupt.h"
 
 namespace tf::comm {
 namespace {
 
 constexpr uint32_t kRailHelloMagic = 0x54465231;  // "TFR1"
-constexpr size_t kMaxBootMsg = 1 << 20;
+// How long a connection on a rail port may take to identify itself before it is dropped.
+constexpr double kRailHelloSeconds = 3.0;
 
 [[noreturn]] void peer_lost(const std::string& what) {
   fail(ErrorKind::Runtime, "peer lost: ", what);
@@ -40,6 +43,15 @@ int remaining_ms(Deadline dl) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(dl - Clock::now());
   if (left.count() <= 0) return 0;
   return static_cast<int>(std::min<int64_t>(left.count(), 1 << 30));
+}
+
+// One setup wait: at most 50 ms, then a Ctrl-C check (see transport.h).
+int poll_slice(pollfd* p, int n, Deadline dl) {
+  const int rc = ::poll(p, nfds_t(n), std::min(remaining_ms(dl), 50));
+  const int err = errno;
+  check_interrupt();
+  errno = err;
+  return rc;
 }
 
 // RAII file descriptor.
@@ -117,13 +129,6 @@ sockaddr_in local_of(int fd) {
   return sa;
 }
 
-sockaddr_in peer_of(int fd) {
-  sockaddr_in sa{};
-  socklen_t len = sizeof sa;
-  getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len);
-  return sa;
-}
-
 void set_nonblocking(int fd) {
   const int fl = fcntl(fd, F_GETFL, 0);
   fcntl(fd, F_SETFL, fl | O_NONBLOCK);
@@ -169,28 +174,33 @@ Fd listen_on(const sockaddr_in& sa, bool rail, const std::string& what) {
   if (::bind(s.fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) != 0)
     fail(ErrorKind::Runtime, "cannot listen on ", what, " (", to_string(sa), "): ",
          errstr(errno));
-  if (::listen(s.fd, 4) != 0)
+  if (::listen(s.fd, 16) != 0)
     fail(ErrorKind::Runtime, "listen() on ", to_string(sa), ": ", errstr(errno));
   set_nonblocking(s.fd);
   return s;
 }
 
-Fd accept_one(int lfd, Deadline dl, const std::string& what) {
+// Accepts one connection; `peer` receives its address (taken from accept itself, so it stays
+// right even after the connection failed).
+Fd accept_one(int lfd, Deadline dl, const std::string& what, sockaddr_in* peer = nullptr) {
   for (;;) {
     pollfd p{lfd, POLLIN, 0};
-    const int ms = remaining_ms(dl);
-    const int rc = ::poll(&p, 1, ms);
+    const int rc = poll_slice(&p, 1, dl);
     if (rc < 0 && errno == EINTR) continue;
-    if (rc == 0 || ms == 0) {
+    if (rc <= 0) {
       if (Clock::now() >= dl) peer_lost("timed out waiting for rank 1 to connect on " + what);
       continue;
     }
-    Fd c(::accept4(lfd, nullptr, nullptr, SOCK_CLOEXEC));
+    sockaddr_in from{};
+    socklen_t len = sizeof from;
+    Fd c(::accept4(lfd, reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC));
     if (c.fd < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED ||
+          errno == EPROTO || errno == ENETDOWN || errno == EHOSTUNREACH || errno == ENETUNREACH)
         continue;
       fail(ErrorKind::Runtime, "accept() on ", what, ": ", errstr(errno));
     }
+    if (peer) *peer = from;
     set_nonblocking(c.fd);
     tune_socket(c.fd, true);
     return c;
@@ -215,12 +225,13 @@ Fd try_connect(const sockaddr_in& to, const sockaddr_in* from, bool rail, Deadli
     err = errstr(errno);
     return Fd();
   }
+  const Deadline attempt = std::min(dl, Clock::now() + std::chrono::seconds(1));
   for (;;) {
     pollfd p{s.fd, POLLOUT, 0};
-    const int ms = std::min(remaining_ms(dl), 1000);
-    const int rc = ::poll(&p, 1, ms);
+    const int rc = poll_slice(&p, 1, attempt);
     if (rc < 0 && errno == EINTR) continue;
-    if (rc == 0) {
+    if (rc == 0 && Clock::now() < attempt) continue;
+    if (rc <= 0) {
       err = "connect timed out";
       return Fd();
     }
@@ -245,6 +256,7 @@ Fd connect_retry(const sockaddr_in& to, const sockaddr_in* from, bool rail, Dead
       fail(ErrorKind::Runtime, "peer lost: could not connect to ", what, " at ", to_string(to),
            " before the timeout (", err, ")");
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    check_interrupt();
   }
 }
 
@@ -260,9 +272,8 @@ void send_all(int fd, const void* p, size_t n, Deadline dl, const std::string& w
     if (k < 0 && errno == EINTR) continue;
     if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) peer_lost(what + ": " + errstr(errno));
     pollfd pf{fd, POLLOUT, 0};
-    const int ms = remaining_ms(dl);
-    if (ms == 0) peer_lost(what + ": timed out");
-    ::poll(&pf, 1, ms);
+    if (remaining_ms(dl) == 0) peer_lost(what + ": timed out");
+    poll_slice(&pf, 1, dl);
   }
 }
 
@@ -279,38 +290,57 @@ void recv_all(int fd, void* p, size_t n, Deadline dl, const std::string& what) {
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) peer_lost(what + ": " + errstr(errno));
     pollfd pf{fd, POLLIN, 0};
-    const int ms = remaining_ms(dl);
-    if (ms == 0) peer_lost(what + ": timed out");
-    ::poll(&pf, 1, ms);
+    if (remaining_ms(dl) == 0) peer_lost(what + ": timed out");
+    poll_slice(&pf, 1, dl);
   }
 }
 
 class TcpBootstrap final : public Bootstrap {
  public:
-  explicit TcpBootstrap(Fd s) : s_(std::move(s)) {}
+  // The addresses are taken now: getpeername fails once the peer reset the connection.
+  TcpBootstrap(Fd s, const sockaddr_in& peer)
+      : s_(std::move(s)), peer_(to_string(peer)), local_ip_(ip_of(local_of(s_.fd))) {}
   void send_msg(const std::string& msg, Deadline dl) override {
+    TF_CHECK(msg.size() <= kMaxBootMsg, "bootstrap message of ", msg.size(), " bytes is too long");
     const uint32_t n = static_cast<uint32_t>(msg.size());
     unsigned char len[4] = {uint8_t(n), uint8_t(n >> 8), uint8_t(n >> 16), uint8_t(n >> 24)};
-    send_all(s_.fd, len, 4, dl, "bootstrap link to " + peer_addr());
-    send_all(s_.fd, msg.data(), msg.size(), dl, "bootstrap link to " + peer_addr());
+    send_all(s_.fd, len, 4, dl, "bootstrap link to " + peer_);
+    send_all(s_.fd, msg.data(), msg.size(), dl, "bootstrap link to " + peer_);
   }
-  std::string recv_msg(Deadline dl) override {
+  std::string recv_msg(Deadline dl, size_t max_len) override {
     unsigned char len[4];
-    recv_all(s_.fd, len, 4, dl, "bootstrap link to " + peer_addr());
+    recv_all(s_.fd, len, 4, dl, "bootstrap link to " + peer_);
     const uint32_t n = uint32_t(len[0]) | uint32_t(len[1]) << 8 | uint32_t(len[2]) << 16 |
                        uint32_t(len[3]) << 24;
-    if (n > kMaxBootMsg)
-      fail(ErrorKind::Runtime, "bootstrap: peer at ", peer_addr(),
+    if (n > std::min(max_len, kMaxBootMsg))
+      fail(ErrorKind::Runtime, "bootstrap: peer at ", peer_,
            " is not a TensorFold comm group (bad message length ", n, ")");
     std::string msg(n, '\0');
-    recv_all(s_.fd, msg.data(), n, dl, "bootstrap link to " + peer_addr());
+    recv_all(s_.fd, msg.data(), n, dl, "bootstrap link to " + peer_);
     return msg;
   }
-  std::string peer_addr() const override { return to_string(peer_of(s_.fd)); }
-  std::string local_ip() const override { return ip_of(local_of(s_.fd)); }
+  std::string peer_addr() const override { return peer_; }
+  std::string local_ip() const override { return local_ip_; }
 
  private:
   Fd s_;
+  std::string peer_, local_ip_;
+};
+
+class TcpBootstrapListener final : public BootstrapListener {
+ public:
+  TcpBootstrapListener(Fd l, std::string addr) : l_(std::move(l)), addr_(std::move(addr)) {}
+  std::unique_ptr<Bootstrap> accept(Deadline dl) override {
+    sockaddr_in peer{};
+    Fd c = accept_one(l_.fd, dl, "bootstrap address " + addr_, &peer);
+    tune_socket(c.fd, false);
+    return std::make_unique<TcpBootstrap>(std::move(c), peer);
+  }
+  std::string addr() const override { return addr_; }
+
+ private:
+  Fd l_;
+  std::string addr_;
 };
 
 struct Rail {
@@ -447,19 +477,19 @@ class TcpTransport final : public Transport {
 
 }  // namespace
 
-std::unique_ptr<Bootstrap> tcp_bootstrap(const GroupOptions& opts, Deadline dl) {
+std::unique_ptr<BootstrapListener> tcp_bootstrap_listen(const GroupOptions& opts) {
   const auto [host, port] = split_host_port(opts.addr);
-  if (opts.rank == 0) {
-    const sockaddr_in sa = resolve(host, port);
-    Fd l = listen_on(sa, false, "bootstrap address " + opts.addr);
-    Fd c = accept_one(l.fd, dl, "bootstrap address " + opts.addr);
-    tune_socket(c.fd, false);
-    return std::make_unique<TcpBootstrap>(std::move(c));
-  }
+  const sockaddr_in sa = resolve(host, port);
+  Fd l = listen_on(sa, false, "bootstrap address " + opts.addr);
+  return std::make_unique<TcpBootstrapListener>(std::move(l), opts.addr);
+}
+
+std::unique_ptr<Bootstrap> tcp_bootstrap_connect(const GroupOptions& opts, Deadline dl) {
+  const auto [host, port] = split_host_port(opts.addr);
   TF_CHECK(port != 0, "rank ", opts.rank, " needs rank 0's port in addr, got '", opts.addr, "'");
   const sockaddr_in sa = resolve(host, port);
   Fd c = connect_retry(sa, nullptr, false, dl, "rank 0 (bootstrap)");
-  return std::make_unique<TcpBootstrap>(std::move(c));
+  return std::make_unique<TcpBootstrap>(std::move(c), sa);
 }
 
 std::unique_ptr<Transport> tcp_transport(const GroupOptions& opts, int n_rails, Bootstrap& boot,
@@ -482,21 +512,40 @@ std::unique_ptr<Transport> tcp_transport(const GroupOptions& opts, int n_rails, 
     boot.send_msg(plan.str(), dl);
     for (int i = 0; i < n_rails; ++i) {
       const std::string what = "rail " + std::to_string(i);
-      Fd c = accept_one(listeners[size_t(i)].fd, dl, what);
-      unsigned char hello[16];
-      recv_all(c.fd, hello, sizeof hello, dl, what + " hello");
-      uint64_t got_nonce;
-      uint32_t magic, idx;
-      std::memcpy(&got_nonce, hello, 8);
-      std::memcpy(&magic, hello + 8, 4);
-      std::memcpy(&idx, hello + 12, 4);
-      if (magic != kRailHelloMagic || got_nonce != nonce || idx != uint32_t(i))
-        fail(ErrorKind::Runtime, "unexpected connection on ", what, " from ",
-             to_string(peer_of(c.fd)), " (not our peer's rail ", i, ")");
-      tune_socket(c.fd, true);
-      rails[size_t(i)].local = to_string(local_of(c.fd));
-      rails[size_t(i)].peer = to_string(peer_of(c.fd));
-      rails[size_t(i)].fd = std::move(c);
+      // Anything else that connects to the rail port is dropped; we keep waiting for the
+      // peer's connection (it proves itself with the session nonce) until dl.
+      for (;;) {
+        sockaddr_in from{};
+        Fd c = accept_one(listeners[size_t(i)].fd, dl, what, &from);
+        unsigned char hello[16];
+        std::string why;
+        try {
+          recv_all(c.fd, hello, sizeof hello,
+                   std::min(dl, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                    std::chrono::duration<double>(kRailHelloSeconds))),
+                   what + " hello");
+          uint64_t got_nonce;
+          uint32_t magic, idx;
+          std::memcpy(&got_nonce, hello, 8);
+          std::memcpy(&magic, hello + 8, 4);
+          std::memcpy(&idx, hello + 12, 4);
+          if (magic != kRailHelloMagic || got_nonce != nonce || idx != uint32_t(i))
+            why = "not our peer's rail " + std::to_string(i);
+        } catch (const Error& e) {
+          if (e.kind() == ErrorKind::Interrupted) throw;
+          why = e.what();
+        }
+        if (!why.empty()) {
+          std::fprintf(stderr, "tensorfold comm: dropped an unexpected connection on %s from %s (%s)\n",
+                       what.c_str(), to_string(from).c_str(), why.c_str());
+          continue;
+        }
+        tune_socket(c.fd, true);
+        rails[size_t(i)].local = to_string(local_of(c.fd));
+        rails[size_t(i)].peer = to_string(from);
+        rails[size_t(i)].fd = std::move(c);
+        break;
+      }
     }
     boot.send_msg("rails-ok", dl);
   } else {
@@ -522,7 +571,7 @@ std::unique_ptr<Transport> tcp_transport(const GroupOptions& opts, int n_rails, 
       std::memcpy(hello + 12, &idx, 4);
       send_all(c.fd, hello, sizeof hello, dl, what);
       rails[size_t(i)].local = to_string(local_of(c.fd));
-      rails[size_t(i)].peer = to_string(peer_of(c.fd));
+      rails[size_t(i)].peer = to_string(to);
       rails[size_t(i)].fd = std::move(c);
     }
     const std::string ok = boot.recv_msg(dl);

@@ -56,19 +56,39 @@ class Transport {
 
 // Blocking, deadline-bounded byte stream to the peer used during setup only (handshake and
 // the exchange of per-rail connection details). Always TCP, whatever the data transport.
+constexpr size_t kMaxBootMsg = size_t(1) << 20;
+
+// Setup (bootstrap and rail connection) waits poll in slices of at most 50 ms and call
+// tf::check_interrupt() between them, so Ctrl-C ends connection setup promptly. Collectives
+// never check, except broadcast_idle() before its first byte (group.h).
 class Bootstrap {
  public:
   virtual ~Bootstrap() = default;
-  // Length-prefixed message; throws tf::Error("peer lost: ...") on EOF/error/deadline.
+  // Length-prefixed message; throws tf::Error("peer lost: ...") on EOF/error/deadline, and
+  // when the announced length exceeds max_len (before reading or allocating the body).
   virtual void send_msg(const std::string& msg, Deadline dl) = 0;
-  virtual std::string recv_msg(Deadline dl) = 0;
+  virtual std::string recv_msg(Deadline dl, size_t max_len = kMaxBootMsg) = 0;
+  // The peer's address as seen when the link was made (still valid after it failed).
   virtual std::string peer_addr() const = 0;
   // Local IP of the bootstrap link: the address the peer reached us on (default rail).
   virtual std::string local_ip() const = 0;
 };
 
-// Rank 0 listens on opts.addr and accepts one peer; rank 1 connects, retrying until dl.
-std::unique_ptr<Bootstrap> tcp_bootstrap(const GroupOptions& opts, Deadline dl);
+// Rank 0's bootstrap socket. It hands out every incoming connection as a candidate; the
+// caller (Group::create) runs the handshake on each and keeps accepting until one passes,
+// so a stray or hostile connection never takes the peer's place.
+class BootstrapListener {
+ public:
+  virtual ~BootstrapListener() = default;
+  // The next connection; throws tf::Error("peer lost: timed out ...") once dl passes.
+  virtual std::unique_ptr<Bootstrap> accept(Deadline dl) = 0;
+  virtual std::string addr() const = 0;
+};
+
+// Rank 0: binds and listens on opts.addr (throws at once if it cannot).
+std::unique_ptr<BootstrapListener> tcp_bootstrap_listen(const GroupOptions& opts);
+// Rank 1: connects to rank 0 at opts.addr, retrying until dl.
+std::unique_ptr<Bootstrap> tcp_bootstrap_connect(const GroupOptions& opts, Deadline dl);
 
 // Connects the rails over TCP. n_rails: agreed count (after the handshake). Rank 0 listens on
 // each of its rail addresses and tells the peer the ports over `boot`; rank 1 binds each

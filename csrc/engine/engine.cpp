@@ -1,10 +1,17 @@
 #include "engine/engine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
-#include <sstream>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
 #include <thread>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
 
 namespace tf {
@@ -12,9 +19,35 @@ namespace tf {
 namespace {
 constexpr int64_t kCmdForward = 1, kCmdShutdown = 2, kCmdPing = 3;
 constexpr int kLeaderGroupRank = 1;  // engine rank 0 is group rank 1 (engine rank 1 listens)
+constexpr int kKvBlockSize = 16;
+constexpr int kMaxLogitRows = 64;  // logits rows one step may produce (= max sequences per step)
 
-// What both TP ranks must agree on: the same model file and the same engine geometry.
-std::string tp_identity(const GgufFile& f, const EngineOptions& o) {
+std::string gib(double bytes) {
+  std::ostringstream os;
+  const double g = bytes / double(1ull << 30);
+  os << std::fixed << std::setprecision(g < 10 ? 2 : 1) << g << " GiB";
+  return os.str();
+}
+
+// Memory this process can have at most: physical RAM, lowered to a cgroup memory limit.
+uint64_t memory_limit_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  uint64_t m = pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : 0;
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream f(path);
+    std::string v;
+    if (!(f >> v) || v == "max") continue;
+    char* end = nullptr;
+    const unsigned long long c = std::strtoull(v.c_str(), &end, 10);
+    if (end && *end == '\0' && c > 0 && (m == 0 || c < m)) m = c;
+  }
+  return m;
+}
+}  // namespace
+
+// What both TP ranks must agree on: the same model file and the same engine geometry. Public
+// information (anyone with the file can compute it): admission is the token's job.
+std::string Engine::tp_identity(const GgufFile& f, const EngineOptions& o) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the header (metadata + tensor table)
   for (uint64_t i = 0; i < f.data_offset(); ++i) h = (h ^ f.base()[i]) * 1099511628211ull;
   std::ostringstream os;
@@ -23,9 +56,6 @@ std::string tp_identity(const GgufFile& f, const EngineOptions& o) {
      << " max_batch_tokens=" << o.max_batch_tokens << " kv_type=" << int(o.kv_type);
   return os.str();
 }
-constexpr int kKvBlockSize = 16;
-constexpr int kMaxLogitRows = 64;  // logits rows one step may produce (= max sequences per step)
-}  // namespace
 
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
@@ -37,6 +67,16 @@ const char* finish_reason_name(FinishReason r) {
 }
 
 Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
+  // Options that need no model are checked before anything is opened or allocated.
+  TF_CHECK(opts.threads >= 0 && opts.threads <= 1024, "threads = ", opts.threads,
+           " is out of range (1..1024, or 0 for the usable CPUs)");
+  TF_CHECK(opts.max_batch_tokens >= 1, "max_batch_tokens must be >= 1, got ", opts.max_batch_tokens);
+  TF_CHECK(opts.context >= 0 && opts.context <= kMaxContext, "context = ", opts.context,
+           " is out of range (2..", kMaxContext, ", or 0 for the model's)");
+  TF_CHECK(opts.kv_tokens >= 0, "kv_tokens must be >= 0 (0: automatic), got ", opts.kv_tokens);
+  if (opts.kv_tokens > kMaxKvTokens)
+    fail(ErrorKind::InvalidInput, "kv_tokens = ", opts.kv_tokens, " is above the limit of ", kMaxKvTokens,
+         " tokens; lower kv_tokens");
   file_ = GgufFile::open(model_path);
   tp_ = opts.tp;
   TF_CHECK(tp_.size == 1 || tp_.size == 2, "tensor parallel size must be 1 or 2, got ", tp_.size);
@@ -52,6 +92,7 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     g.rails = tp_.rails;
     g.timeout_s = tp_.timeout_s;
     g.handshake = tp_identity(*file_, opts);
+    g.token = tp_.token;
     group_ = comm::Group::create(g);
     shard.rank = tp_.rank;
     shard.size = 2;
@@ -60,24 +101,68 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   }
   model_ = std::make_unique<LlamaModel>(file_, shard);
   const ModelConfig& c = model_->config();
-  int threads = opts.threads;
-  if (threads <= 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  TF_CHECK(threads <= 1024, "threads = ", threads, " is not sensible");
+  const int threads = opts.threads > 0 ? opts.threads : usable_cpus();
   context_ = opts.context > 0 ? opts.context : std::min<int64_t>(c.n_ctx_train > 0 ? c.n_ctx_train : 4096, 8192);
-  TF_CHECK(context_ >= 2 && context_ <= (int64_t(1) << 24), "context = ", context_, " is out of range");
-  int64_t kv_tokens = opts.kv_tokens > 0 ? opts.kv_tokens : std::max<int64_t>(context_, 4096);
+  TF_CHECK(context_ >= 2 && context_ <= kMaxContext, "context = ", context_, " is out of range (2..", kMaxContext,
+           ")");
+  const int64_t kv_tokens = opts.kv_tokens > 0 ? opts.kv_tokens : std::max<int64_t>(context_, 4096);
   if (kv_tokens < context_)
     fail(ErrorKind::InvalidInput, "kv_tokens (", kv_tokens, ") must be at least the context (", context_,
          ") so that one full-length sequence fits; raise kv_tokens or lower context");
-  max_batch_tokens_ = std::max(1, opts.max_batch_tokens);
+  // A bigger step budget only costs scratch memory: no step needs more than the context.
+  max_batch_tokens_ = int(std::min<int64_t>({int64_t(opts.max_batch_tokens), int64_t(kMaxBatchTokens), context_}));
   const int64_t n_blocks = (kv_tokens + kKvBlockSize - 1) / kKvBlockSize;
+
+  // Memory plan of the KV pool, every product checked, before anything is allocated.
+  const uint64_t per_token = PagedKvCache::bytes_per_token(c.n_layer, model_->local_kv_heads(), c.head_dim,
+                                                           opts.kv_type);
+  const int elem = opts.kv_type == KvType::F32 ? 4 : 2;
+  std::ostringstream why;
+  why << "(kv_tokens " << n_blocks * kKvBlockSize << " x " << c.n_layer << " layers x "
+      << model_->local_kv_heads() << " KV heads x head dim " << c.head_dim << " x K and V x " << elem
+      << " bytes)";
+  const double want_exact = double(c.n_layer) * double(model_->local_kv_heads()) * double(c.head_dim) * 2.0 *
+                            elem * double(n_blocks) * kKvBlockSize;
+  uint64_t pool_bytes = 0;
+  if (per_token == 0 || __builtin_mul_overflow(per_token, uint64_t(n_blocks) * kKvBlockSize, &pool_bytes))
+    fail(ErrorKind::OutOfMemory, "the KV cache would need ", gib(want_exact), " ", why.str(),
+         ", more than can be addressed; lower kv_tokens or context");
+  const uint64_t limit = memory_limit_bytes();
+  if (limit > 0 && pool_bytes > limit)
+    fail(ErrorKind::OutOfMemory, "the KV cache would need ", gib(double(pool_bytes)), " ", why.str(),
+         " but this machine has ", gib(double(limit)), " of memory; lower kv_tokens or context",
+         opts.kv_type == KvType::F32 ? " (or use kv_type f16)" : "");
+  uint64_t logits_bytes = 0;
+  if (c.n_vocab <= 0 ||
+      __builtin_mul_overflow(uint64_t(kMaxLogitRows) * sizeof(float), uint64_t(c.n_vocab), &logits_bytes) ||
+      (limit > 0 && logits_bytes > limit))
+    fail(ErrorKind::OutOfMemory, "the logits buffer (", kMaxLogitRows, " rows x vocabulary ", c.n_vocab,
+         ") does not fit in memory");
+  const double scratch = model_->scratch_bytes(max_batch_tokens_);
+  if (limit > 0 && double(pool_bytes) + scratch > double(limit))
+    fail(ErrorKind::OutOfMemory, "activation scratch for ", max_batch_tokens_, " tokens per step (",
+         gib(scratch), ") and the KV cache (", gib(double(pool_bytes)), ") exceed this machine's ",
+         gib(double(limit)), " of memory; lower max_batch_tokens, kv_tokens or context");
   kv_ = std::make_unique<PagedKvCache>(c.n_layer, model_->local_kv_heads(), c.head_dim, kKvBlockSize, n_blocks,
                                        opts.kv_type);
   pool_ = std::make_unique<ThreadPool>(threads);
+  // Ctrl-C may stop a local forward (TP=1) or the follower (which then exits), but never
+  // rank 0 of a TP pair mid-collective: that would desynchronise the pair.
+  pool_->set_interruptible(!(tp_.size == 2 && tp_.rank == 0));
   model_->reserve(max_batch_tokens_, context_, threads);
   logits_.assign(size_t(kMaxLogitRows) * size_t(c.n_vocab), 0.f);
   batch_.reserve(size_t(max_batch_tokens_));
   batch_owner_.reserve(size_t(max_batch_tokens_));
+  if (tp_.size == 2 && tp_.rank == 1) {
+    // Largest plan rank 0 can send: T, 4 ints per token, n_seq, 2 ints per sequence and the
+    // block tables (distinct blocks, so at most the pool, and at most context/16 per sequence).
+    const int64_t M = max_batch_tokens_;
+    const int64_t max_table = (context_ + kKvBlockSize - 1) / kKvBlockSize;
+    max_plan_ints_ = 2 + 6 * M + std::min<int64_t>(M * max_table, n_blocks);
+    slot_mark_.assign(size_t(kv_->max_seqs()), 0);
+    slot_table_len_.assign(size_t(kv_->max_seqs()), 0);
+    block_mark_.assign(size_t(n_blocks), 0);
+  }
   if (tp_.size == 2 && tp_.rank == 0) heartbeat_ = std::thread(&Engine::heartbeat_loop, this);
 }
 
@@ -115,17 +200,17 @@ void Engine::send_command(int64_t cmd, const std::vector<int32_t>& payload) {
 
 void Engine::heartbeat_loop() {
   // Keeps an idle follower's waits inside its timeout; a lost follower shows up here or in
-  // the next forward.
-  const auto period = std::chrono::duration<double>(std::max(0.05, tp_.timeout_s / 4));
-  std::unique_lock<std::mutex> lock(hb_mu_);
-  while (!hb_cv_.wait_for(lock, period, [&] { return hb_stop_; })) {
-    std::unique_lock<std::mutex> comm(comm_mu_, std::try_to_lock);
-    if (!comm.owns_lock()) continue;  // a forward is talking to the follower anyway
-    try {
+  // the next forward. Nothing may escape a thread body (std::terminate): every error ends
+  // the heartbeat quietly and the next forward reports it.
+  try {
+    const auto period = std::chrono::duration<double>(std::max(0.05, tp_.timeout_s / 4));
+    std::unique_lock<std::mutex> lock(hb_mu_);
+    while (!hb_cv_.wait_for(lock, period, [&] { return hb_stop_; })) {
+      std::unique_lock<std::mutex> comm(comm_mu_, std::try_to_lock);
+      if (!comm.owns_lock()) continue;  // a forward is talking to the follower anyway
       send_command(kCmdPing, {});
-    } catch (...) {
-      return;  // reported by the next forward
     }
+  } catch (...) {
   }
 }
 
@@ -158,46 +243,131 @@ void Engine::run_forward(const std::vector<BatchToken>& batch, float* logits) {
 void Engine::follow() {
   TF_CHECK(tp_.size == 2 && tp_.rank == 1, "follow() is for TP rank 1");
   for (;;) {
+    // Idle until rank 0's next command: Ctrl-C is honoured while none of it has arrived, and
+    // only then (an interrupted exchange would desynchronise the pair). Rank 0's heartbeat
+    // keeps an idle wait inside the timeout. The engine lock is not held while idle.
     int64_t header[4] = {0, 0, 0, 0};
-    group_->broadcast(header, sizeof(header), kLeaderGroupRank);
-    if (header[0] == kCmdPing) continue;
-    if (header[0] == kCmdShutdown) return;
-    TF_CHECK(header[0] == kCmdForward && header[1] > 0 && header[1] < (int64_t(1) << 26),
-             "TP follower: malformed plan from rank 0");
+    group_->broadcast_idle(header, sizeof(header), kLeaderGroupRank);
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool empty = header[1] == 0 && header[2] == 0 && header[3] == 0;
+    if (header[0] == kCmdPing && empty) continue;
+    if (header[0] == kCmdShutdown && empty) return;
+    if (header[0] != kCmdForward || header[2] != 0 || header[3] != 0)
+      fail(ErrorKind::InvalidInput, "TP follower: malformed command from rank 0 (", header[0], ", ", header[1], ", ",
+           header[2], ", ", header[3], ")");
+    if (header[1] < 8 || header[1] > max_plan_ints_)
+      fail(ErrorKind::InvalidInput, "TP follower: malformed plan from rank 0: ", header[1],
+           " ints (a plan for this engine has 8..", max_plan_ints_, ")");
     plan_.resize(size_t(header[1]));
     group_->broadcast(plan_.data(), plan_.size() * sizeof(int32_t), kLeaderGroupRank);
-    size_t i = 0;
-    auto next = [&]() {
-      TF_CHECK(i < plan_.size(), "TP follower: truncated plan");
-      return plan_[i++];
-    };
-    const int32_t T = next();
-    TF_CHECK(T > 0 && T <= max_batch_tokens_, "TP follower: plan of ", T, " tokens");
-    batch_.clear();
-    for (int32_t t = 0; t < T; ++t) {
-      BatchToken b;
-      b.token = next();
-      b.pos = next();
-      b.seq = next();
-      b.want_logits = next() != 0;
-      batch_.push_back(b);
-    }
-    const int32_t n_seq = next();
-    for (int32_t s = 0; s < n_seq; ++s) {
-      const int32_t slot = next();
-      const int32_t n = next();
-      TF_CHECK(n >= 0 && i + size_t(n) <= plan_.size(), "TP follower: truncated block table");
-      kv_->assign_table(slot, plan_.data() + i, size_t(n));
-      i += size_t(n);
-    }
-    for (const BatchToken& b : batch_)
-      TF_CHECK(b.pos >= 0 && int64_t(b.pos) < kv_->capacity(b.seq), "TP follower: position outside the pages");
+    apply_plan();
     model_->forward(batch_, *kv_, *pool_, logits_.data());
+  }
+}
+
+void Engine::apply_plan() {
+  // Everything here came from the network: check each field before it indexes anything.
+  size_t i = 0;
+  auto bad = [&](const auto&... what) {
+    fail(ErrorKind::InvalidInput, "TP follower: invalid plan from rank 0: ", what...);
+  };
+  auto next = [&]() {
+    if (i >= plan_.size()) bad("truncated (", plan_.size(), " ints)");
+    return plan_[i++];
+  };
+  const int64_t V = config().n_vocab;
+  const int max_seqs = kv_->max_seqs();
+  const int32_t T = next();
+  if (T < 1 || T > max_batch_tokens_) bad(T, " tokens (this engine takes 1..", max_batch_tokens_, " per step)");
+  batch_.clear();
+  int wants = 0;
+  for (int32_t t = 0; t < T; ++t) {
+    BatchToken b;
+    b.token = next();
+    b.pos = next();
+    b.seq = next();
+    const int32_t want = next();
+    if (b.token < 0 || b.token >= V) bad("token ", t, " has id ", b.token, " (vocabulary 0..", V - 1, ")");
+    if (b.pos < 0 || b.pos >= context_) bad("token ", t, " has position ", b.pos, " (context 0..", context_ - 1, ")");
+    if (b.seq < 0 || b.seq >= max_seqs)
+      bad("token ", t, " has sequence slot ", b.seq, " (valid 0..", max_seqs - 1, ")");
+    if (want != 0 && want != 1) bad("token ", t, " has want_logits ", want, " (0 or 1)");
+    b.want_logits = want != 0;
+    wants += want;
+    batch_.push_back(b);
+  }
+  if (wants > kMaxLogitRows) bad(wants, " logits rows (at most ", kMaxLogitRows, " per step)");
+  const int32_t n_seq = next();
+  if (n_seq < 1 || n_seq > T) bad(n_seq, " sequences for ", T, " tokens");
+  // New marks for this plan (a generation counter, so nothing needs clearing).
+  if (++plan_gen_ == 0) {
+    std::fill(slot_mark_.begin(), slot_mark_.end(), 0);
+    std::fill(block_mark_.begin(), block_mark_.end(), 0);
+    plan_gen_ = 1;
+  }
+  const int64_t max_table = (context_ + kKvBlockSize - 1) / kKvBlockSize;
+  const size_t tables_begin = i;
+  for (int32_t s = 0; s < n_seq; ++s) {
+    const int32_t slot = next();
+    const int32_t n = next();
+    if (slot < 0 || slot >= max_seqs) bad("sequence ", s, " has slot ", slot, " (valid 0..", max_seqs - 1, ")");
+    if (slot_mark_[size_t(slot)] == plan_gen_) bad("sequence slot ", slot, " is listed twice");
+    slot_mark_[size_t(slot)] = plan_gen_;
+    if (n < 1 || n > max_table) bad("sequence slot ", slot, " has a block table of ", n, " blocks (1..", max_table, ")");
+    if (plan_.size() - i < size_t(n)) bad("truncated block table of sequence slot ", slot);
+    slot_table_len_[size_t(slot)] = n;
+    for (int32_t k = 0; k < n; ++k) {
+      const int32_t blk = plan_[i + size_t(k)];
+      if (blk < 0 || blk >= kv_->n_blocks())
+        bad("sequence slot ", slot, " lists block ", blk, " (valid 0..", kv_->n_blocks() - 1, ")");
+      if (block_mark_[size_t(blk)] == plan_gen_) bad("block ", blk, " is used twice");
+      block_mark_[size_t(blk)] = plan_gen_;
+    }
+    i += size_t(n);
+  }
+  if (i != plan_.size()) bad(plan_.size() - i, " unexpected ints after the block tables");
+  for (size_t t = 0; t < batch_.size(); ++t) {
+    const BatchToken& b = batch_[t];
+    if (slot_mark_[size_t(b.seq)] != plan_gen_) bad("token ", t, " uses sequence slot ", b.seq, " which has no block table");
+    if (int64_t(b.pos) >= int64_t(slot_table_len_[size_t(b.seq)]) * kKvBlockSize)
+      bad("token ", t, " has position ", b.pos, " beyond the ", slot_table_len_[size_t(b.seq)],
+          " blocks of sequence slot ", b.seq);
+  }
+  // Valid: mirror the tables.
+  for (size_t j = tables_begin; j < i;) {
+    const int32_t slot = plan_[j], n = plan_[j + 1];
+    kv_->assign_table(slot, plan_.data() + j + 2, size_t(n));
+    j += 2 + size_t(n);
   }
 }
 
 comm::GroupStats Engine::comm_stats() const {
   return group_ ? group_->stats() : comm::GroupStats{};
+}
+
+int64_t Engine::free_kv_tokens() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return kv_->free_blocks() * kv_->block_size();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+std::vector<std::vector<int64_t>> Engine::expert_usage() const {
+  std::lock_guard<std::mutex> lock(mu_);  // the model updates it during forward
+  return model_->expert_usage();
+}
+
+bool Engine::has_unfinished() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !seqs_.empty();
+}
+
+size_t Engine::n_active() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seqs_.size();
 }
 
 int64_t Engine::add_request(const std::vector<int32_t>& prompt, const RequestParams& params) {
@@ -208,13 +378,22 @@ int64_t Engine::add_request(const std::vector<int32_t>& prompt, const RequestPar
              config().n_vocab - 1, ")");
   TF_CHECK(int64_t(prompt.size()) < context_, "the prompt has ", prompt.size(),
            " tokens but the context is ", context_, "; shorten it or raise context");
-  TF_CHECK(params.max_tokens >= 0, "max_tokens must be >= 0");
+  TF_CHECK(params.max_tokens >= 0, "max_tokens must be >= 0, got ", params.max_tokens);
+  // NaN passes no comparison, so each check is written to fail for it.
+  const SamplingParams& sp = params.sampling;
+  TF_CHECK(std::isfinite(sp.temperature) && sp.temperature >= 0.f,
+           "temperature must be a finite number >= 0 (0 = greedy), got ", sp.temperature);
+  TF_CHECK(sp.top_p > 0.f && sp.top_p <= 1.f, "top_p must be in (0, 1] (1 = off), got ", sp.top_p);
+  TF_CHECK(sp.min_p >= 0.f && sp.min_p <= 1.f, "min_p must be in [0, 1] (0 = off), got ", sp.min_p);
+  TF_CHECK(sp.top_k >= 0, "top_k must be >= 0 (0 = off), got ", sp.top_k);
+  std::lock_guard<std::mutex> lock(mu_);
   const int64_t id = next_id_++;
   seqs_.emplace(id, std::make_unique<Sequence>(id, prompt, params));
   return id;
 }
 
 void Engine::abort(int64_t request_id) {
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = seqs_.find(request_id);
   if (it == seqs_.end()) return;
   if (it->second->slot >= 0) kv_->free_sequence(it->second->slot);
@@ -237,6 +416,7 @@ void Engine::preempt(Sequence& s) {
 
 std::vector<StepOutput> Engine::step() {
   require_leader("step");
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<StepOutput> out;
   batch_.clear();
   batch_owner_.clear();
@@ -286,6 +466,7 @@ std::vector<StepOutput> Engine::step() {
     const size_t chunk = std::min<size_t>(pending, size_t(budget));
     const bool new_slot = s.slot < 0;
     if (new_slot) s.slot = kv_->create_sequence();
+    if (s.slot < 0) break;  // every sequence slot is taken: wait for one to finish
     if (!kv_->reserve(s.slot, int64_t(s.n_computed + chunk))) {
       if (new_slot) {
         kv_->free_sequence(s.slot);
@@ -346,15 +527,22 @@ std::vector<StepOutput> Engine::step() {
   return out;
 }
 
-std::vector<float> Engine::logits(const std::vector<int32_t>& ids) {
+void Engine::logits(const std::vector<int32_t>& ids, float* out) {
   require_leader("logits");
   TF_CHECK(!ids.empty(), "logits: empty token list");
   TF_CHECK(int64_t(ids.size()) <= context_, "logits: ", ids.size(), " tokens exceed the context ", context_);
   for (int32_t t : ids)
-    TF_CHECK(t >= 0 && t < config().n_vocab, "token id ", t, " is outside the vocabulary");
-  const int64_t V = config().n_vocab;
-  std::vector<float> result(ids.size() * size_t(V));
+    TF_CHECK(t >= 0 && t < config().n_vocab, "token id ", t, " is outside the vocabulary (0..",
+             config().n_vocab - 1, ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  logits_locked(ids, out);
+}
+
+void Engine::logits_locked(const std::vector<int32_t>& ids, float* out) {
+  const size_t V = size_t(config().n_vocab);
   const int slot = kv_->create_sequence();
+  if (slot < 0)
+    fail(ErrorKind::OutOfMemory, "logits: every KV sequence slot is in use by running requests");
   if (!kv_->reserve(slot, int64_t(ids.size()))) {
     kv_->free_sequence(slot);
     fail(ErrorKind::OutOfMemory, "logits: not enough free KV cache for ", ids.size(),
@@ -367,22 +555,27 @@ std::vector<float> Engine::logits(const std::vector<int32_t>& ids) {
       batch.clear();
       for (size_t i = b; i < std::min(ids.size(), b + chunk); ++i)
         batch.push_back({ids[i], int32_t(i), int32_t(slot), true});
-      run_forward(batch, logits_.data());
-      std::copy(logits_.begin(), logits_.begin() + long(batch.size() * size_t(V)),
-                result.begin() + long(b * size_t(V)));
+      // Rows go straight to the caller's array (no second copy of the result).
+      run_forward(batch, out ? out + b * V : logits_.data());
     }
   } catch (...) {
     kv_->free_sequence(slot);
     throw;
   }
   kv_->free_sequence(slot);
-  return result;
 }
 
 std::vector<std::vector<int32_t>> Engine::routing(const std::vector<int32_t>& ids) {
+  require_leader("routing");
+  TF_CHECK(!ids.empty(), "routing: empty token list");
+  TF_CHECK(int64_t(ids.size()) <= context_, "routing: ", ids.size(), " tokens exceed the context ", context_);
+  for (int32_t t : ids)
+    TF_CHECK(t >= 0 && t < config().n_vocab, "token id ", t, " is outside the vocabulary (0..",
+             config().n_vocab - 1, ")");
+  std::lock_guard<std::mutex> lock(mu_);
   model_->set_routing_trace(true);
   try {
-    logits(ids);
+    logits_locked(ids, nullptr);
   } catch (...) {
     model_->set_routing_trace(false);
     throw;

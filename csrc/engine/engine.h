@@ -3,6 +3,9 @@
 // waiting ones within the token budget and the free KV blocks), samples, and reports the
 // new tokens. Sequences finish on an end-of-generation token, max_tokens or the context
 // limit, or are aborted; their KV blocks return to the pool.
+//
+// Thread safety: every public method may be called from any thread; one mutex serialises
+// them, so step() and a concurrent abort() / add_request() / logits() never interleave.
 #pragma once
 #include <cstdint>
 #include <deque>
@@ -32,13 +35,15 @@ struct TpOptions {
   std::vector<std::string> rails;  // local rail addresses
   double timeout_s = 30.0;
   bool compatible = false;         // TP=1: compute exactly as a TP=2 pair would (see TpShard)
+  std::string token;               // shared secret both ranks must know (empty: none)
 };
 
 struct EngineOptions {
-  int threads = 0;             // 0: all hardware threads
-  int64_t kv_tokens = 0;       // KV pool size in tokens; 0: context * 2 (at least 4096)
+  int threads = 0;             // 0: the CPUs this process may use (affinity, cgroup quota)
+  int64_t kv_tokens = 0;       // KV pool size in tokens; 0: max(context, 4096)
   int64_t context = 0;         // per-sequence limit; 0: min(model's trained context, 8192)
-  int max_batch_tokens = 512;  // token budget of one step (prefill chunk size)
+  int max_batch_tokens = 512;  // token budget of one step (prefill chunk size); capped
+                               // at kMaxBatchTokens and the context
   KvType kv_type = KvType::F16;
   TpOptions tp;
 };
@@ -67,39 +72,50 @@ struct EngineStats {
 
 class Engine {
  public:
+  static constexpr int kMaxBatchTokens = 4096;
+  static constexpr int64_t kMaxKvTokens = int64_t(1) << 30;
+  static constexpr int64_t kMaxContext = int64_t(1) << 24;
+
   Engine(const std::string& model_path, const EngineOptions& opts);
   ~Engine();
 
+  // Immutable after construction: no lock needed.
   const ModelConfig& config() const { return model_->config(); }
   const GgufFile& file() const { return *file_; }
   int threads() const { return pool_->size(); }
   int64_t context() const { return context_; }
+  int max_batch_tokens() const { return max_batch_tokens_; }
   int64_t kv_tokens() const { return kv_->n_blocks() * kv_->block_size(); }
-  int64_t free_kv_tokens() const { return kv_->free_blocks() * kv_->block_size(); }
   size_t kv_bytes() const { return kv_->bytes(); }
-  const EngineStats& stats() const { return stats_; }
+
+  int64_t free_kv_tokens() const;
+  EngineStats stats() const;
   // Tokens routed to each expert, per layer (empty rows for dense layers / models).
-  const std::vector<std::vector<int64_t>>& expert_usage() const { return model_->expert_usage(); }
+  std::vector<std::vector<int64_t>> expert_usage() const;
 
   int64_t add_request(const std::vector<int32_t>& prompt, const RequestParams& params);
   void abort(int64_t request_id);
-  bool has_unfinished() const { return !seqs_.empty(); }
-  size_t n_active() const { return seqs_.size(); }
+  bool has_unfinished() const;
+  size_t n_active() const;
   std::vector<StepOutput> step();
 
-  // Logits of every position of `ids` as one fresh sequence: [ids.size(), n_vocab].
-  std::vector<float> logits(const std::vector<int32_t>& ids);
+  // Logits of every position of `ids` as one fresh sequence, written to `out`
+  // ([ids.size(), n_vocab] floats; the caller allocates, so the result exists only once).
+  void logits(const std::vector<int32_t>& ids, float* out);
   // The experts each MoE layer chooses for every position of `ids`: [n_layer][len * n_used]
   // (empty for dense layers).
   std::vector<std::vector<int32_t>> routing(const std::vector<int32_t>& ids);
 
   // Tensor parallel. Rank 1 runs follow(): it executes every forward rank 0 plans until rank 0
-  // shuts down (returns) or is lost (throws within the timeout).
+  // shuts down (returns) or is lost (throws within the timeout). Every plan received is
+  // validated before use; a bad one is an error (the follower stops), never a crash.
   int tp_rank() const { return tp_.rank; }
   int tp_size() const { return tp_.size; }
   void follow();
   comm::GroupStats comm_stats() const;
   uint64_t weight_bytes() const { return model_->weight_bytes(); }
+  // What both TP ranks must agree on (model file and engine geometry), checked at connect.
+  static std::string tp_identity(const GgufFile& f, const EngineOptions& o);
 
  private:
   struct Sequence {
@@ -115,6 +131,9 @@ class Engine {
         : id(id_), tokens(p), n_prompt(p.size()), params(rp), sampler(rp.sampling) {}
   };
   void finish(Sequence& s, FinishReason reason, std::vector<StepOutput>& out, int32_t token);
+  void logits_locked(const std::vector<int32_t>& ids, float* out);
+  // TP follower: checks plan_ field by field, fills batch_ and mirrors the block tables.
+  void apply_plan();
   // Rank 0: runs one forward on every rank (plan broadcast first under TP).
   void run_forward(const std::vector<BatchToken>& batch, float* logits);
   void send_command(int64_t cmd, const std::vector<int32_t>& payload);
@@ -126,6 +145,7 @@ class Engine {
   std::unique_ptr<LlamaModel> model_;
   std::unique_ptr<PagedKvCache> kv_;
   std::unique_ptr<ThreadPool> pool_;
+  mutable std::mutex mu_;              // guards everything below that changes after start-up
   int64_t context_ = 0;
   int max_batch_tokens_ = 512;
   int64_t next_id_ = 1;
@@ -145,6 +165,11 @@ class Engine {
   std::vector<int32_t> plan_;          // serialized plan (reused)
   std::vector<int32_t> plan_seqs_;     // distinct sequences of a plan (reused)
   std::vector<int64_t> done_;          // finished this step (reused)
+  // TP follower: plan validation scratch (per-slot / per-block marks, reused every plan).
+  std::vector<uint32_t> slot_mark_, block_mark_;
+  std::vector<int32_t> slot_table_len_;
+  uint32_t plan_gen_ = 0;
+  int64_t max_plan_ints_ = 0;
 };
 
 }  // namespace tf

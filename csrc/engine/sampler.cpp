@@ -2,24 +2,36 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace tf {
 
+// NaN logits (a broken model or kernel) are never chosen over a number; all-NaN gives 0. The
+// result is always in [0, n).
 int32_t Sampler::argmax(const float* logits, int64_t n) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (logits[i] > logits[best]) best = i;
-  return int32_t(best);
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(logits[i])) continue;
+    if (best < 0 || logits[i] > logits[best]) best = i;
+  }
+  return int32_t(best < 0 ? 0 : best);
 }
 
 int32_t Sampler::sample(const float* logits, int64_t n) {
-  if (p_.temperature <= 0.f || p_.top_k == 1) return argmax(logits, n);
+  if (n <= 0) return 0;
+  // Invalid settings (NaN temperature, ...) are refused by Engine::add_request; here they
+  // fall back to greedy rather than to an arbitrary candidate.
+  if (!(p_.temperature > 0.f) || !std::isfinite(p_.temperature) || p_.top_k == 1) return argmax(logits, n);
   auto& c = cand_;
   c.clear();
   c.reserve(size_t(n));
-  for (int64_t i = 0; i < n; ++i)
+  bool pos_inf = false;
+  for (int64_t i = 0; i < n; ++i) {
     if (std::isfinite(logits[i])) c.emplace_back(logits[i], int32_t(i));
-  if (c.empty()) return argmax(logits, n);
+    pos_inf |= logits[i] == std::numeric_limits<float>::infinity();
+  }
+  // +inf outweighs every finite logit; no candidate at all leaves only argmax.
+  if (pos_inf || c.empty()) return argmax(logits, n);
   auto by_logit = [](const auto& a, const auto& b) { return a.first > b.first; };
   size_t keep = c.size();
   if (p_.top_k > 0 && size_t(p_.top_k) < keep) {
@@ -35,7 +47,7 @@ int32_t Sampler::sample(const float* logits, int64_t n) {
   prob.resize(keep);
   double sum = 0.0;
   for (size_t i = 0; i < keep; ++i) sum += (prob[i] = std::exp(c[i].first - mx));
-  if (p_.top_p < 1.f) {
+  if (p_.top_p > 0.f && p_.top_p < 1.f) {
     double cum = 0.0;
     size_t cut = keep;
     for (size_t i = 0; i < keep; ++i) {

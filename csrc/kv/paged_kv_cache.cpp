@@ -1,10 +1,23 @@
 #include "kv/paged_kv_cache.h"
 
+#include <cstddef>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+#include <string>
 #include <new>
 
 #include "core/error.h"
 
 namespace tf {
+
+namespace {
+std::string gib_str(double gib) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(gib < 10 ? 2 : 1) << gib;
+  return os.str();
+}
+}  // namespace
 
 PagedKvCache::PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks,
                            KvType type)
@@ -12,17 +25,38 @@ PagedKvCache::PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_s
       n_blocks_(n_blocks), type_(type) {
   TF_CHECK(n_layer > 0 && n_kv_head > 0 && head_dim > 0 && block_size > 0 && n_blocks > 0,
            "invalid KV cache geometry");
-  const size_t elems = size_t(n_layer) * size_t(n_blocks) * 2 * size_t(n_kv_head) *
-                       size_t(block_size) * size_t(head_dim);
-  n_elems_ = elems;
-  storage_.reset(new (std::nothrow) uint8_t[elems * elem_size()]);
+  TF_CHECK(n_blocks <= std::numeric_limits<int32_t>::max(), "the KV cache has ", n_blocks,
+           " blocks, more than block ids can number (2^31 - 1); lower kv_tokens");
+  // elements = layers x blocks x {K, V} x heads x block_size x head_dim, each product checked.
+  uint64_t elems = 1;
+  bool overflow = false;
+  for (uint64_t f : {uint64_t(n_layer), uint64_t(n_blocks), uint64_t(2), uint64_t(n_kv_head),
+                     uint64_t(block_size), uint64_t(head_dim)})
+    overflow |= __builtin_mul_overflow(elems, f, &elems);
+  uint64_t bytes = 0;
+  overflow |= __builtin_mul_overflow(elems, uint64_t(elem_size()), &bytes);
+  overflow |= bytes > uint64_t(std::numeric_limits<std::ptrdiff_t>::max());
+  const std::string gib = gib_str(double(n_layer) * double(n_blocks) * 2 * double(n_kv_head) * double(block_size) *
+                     double(head_dim) * double(elem_size()) / double(1ull << 30));
+  if (overflow)
+    fail(ErrorKind::OutOfMemory, "the KV cache pool would need ", gib,
+         " GiB, more than can be addressed; lower kv_tokens (or context)");
+  n_elems_ = size_t(elems);
+  storage_.reset(new (std::nothrow) uint8_t[size_t(bytes)]);
   if (!storage_) {
-    fail(ErrorKind::OutOfMemory, "cannot allocate the KV cache pool (", elems * elem_size() / (1 << 20),
-         " MiB); lower kv_tokens");
+    fail(ErrorKind::OutOfMemory, "cannot allocate the KV cache pool (", gib, " GiB); lower kv_tokens (or context)");
   }
   free_list_.reserve(size_t(n_blocks));
   // Hand out low block ids first (LIFO stack: push in reverse).
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_list_.push_back(int32_t(b));
+}
+
+uint64_t PagedKvCache::bytes_per_token(int n_layer, int n_kv_head, int head_dim, KvType type) {
+  uint64_t b = type == KvType::F32 ? 4 : 2;
+  for (int f : {n_layer, n_kv_head, head_dim, 2}) {
+    if (f <= 0 || __builtin_mul_overflow(b, uint64_t(f), &b)) return 0;
+  }
+  return b;
 }
 
 int PagedKvCache::create_sequence() {
@@ -33,6 +67,7 @@ int PagedKvCache::create_sequence() {
       return int(i);
     }
   }
+  if (int64_t(slot_used_.size()) >= max_seqs()) return -1;
   slot_used_.push_back(true);
   tables_.emplace_back();
   return int(tables_.size() - 1);
@@ -64,7 +99,7 @@ bool PagedKvCache::reserve(int seq, int64_t n_tokens) {
 }
 
 void PagedKvCache::assign_table(int seq, const int32_t* blocks, size_t n) {
-  TF_CHECK(seq >= 0 && seq < (1 << 20), "assign_table: bad sequence slot ", seq);
+  TF_CHECK(seq >= 0 && seq < max_seqs(), "assign_table: sequence slot ", seq, " is outside 0..", max_seqs() - 1);
   if (size_t(seq) >= tables_.size()) {
     tables_.resize(size_t(seq) + 1);
     slot_used_.resize(size_t(seq) + 1, false);

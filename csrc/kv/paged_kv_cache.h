@@ -1,7 +1,10 @@
 // Paged KV cache: one pool of fixed-size blocks allocated once at start-up, per-sequence
 // block tables, blocks returned to the free list when a sequence ends. K and V are stored
 // as IEEE half; each (layer, block, kv head) holds block_size rows of head_dim values.
+// Every size is checked for overflow before the pool is allocated; block ids are int32, so
+// the pool holds at most 2^31 - 1 blocks, and at most max_seqs() sequences exist at once.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -15,6 +18,12 @@ class PagedKvCache {
   PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks,
                KvType type = KvType::F16);
 
+  // Bytes of K and V one token takes over all layers; 0 when that overflows.
+  static uint64_t bytes_per_token(int n_layer, int n_kv_head, int head_dim, KvType type);
+  // Sequence slots that may exist at once (a live sequence holds at least one block).
+  static constexpr int kMaxSeqs = 1 << 16;
+  int max_seqs() const { return int(std::min<int64_t>(n_blocks_, kMaxSeqs)); }
+
   KvType type() const { return type_; }
   size_t elem_size() const { return type_ == KvType::F32 ? 4 : 2; }
 
@@ -23,7 +32,8 @@ class PagedKvCache {
   int64_t free_blocks() const { return int64_t(free_list_.size()); }
   size_t bytes() const { return n_elems_ * elem_size(); }
 
-  // Sequence slots. A slot owns the blocks listed in its block table.
+  // Sequence slots. A slot owns the blocks listed in its block table. create_sequence
+  // returns -1 when max_seqs() slots are in use.
   int create_sequence();
   void free_sequence(int seq);
   // Grow the sequence's table to hold n_tokens in total. All-or-nothing: returns false and
@@ -33,6 +43,7 @@ class PagedKvCache {
   const std::vector<int32_t>& block_table(int seq) const { return tables_[size_t(seq)]; }
   int64_t blocks_needed(int seq, int64_t n_tokens) const;
   // TP follower: mirror a block table decided by rank 0 (the follower never allocates).
+  // Checks the slot and every block id.
   void assign_table(int seq, const int32_t* blocks, size_t n);
 
   // Rows of one (layer, block, kv head): [block_size][head_dim] elements.

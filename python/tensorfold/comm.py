@@ -1,6 +1,6 @@
 """Tensor-parallel communication: a process group of two ranks (TP=2 across machines).
 
-``Group(rank, size, addr, rails=[], timeout=30.0, transport="tcp", handshake="")``
+``Group(rank, size, addr, rails=[], timeout=30.0, transport="tcp", handshake="", token="")``
 
 * Rank 0 listens on ``addr`` ("HOST:PORT"); rank 1 connects to it (retrying until
   ``timeout``). ``size=1`` is a no-op group without sockets.
@@ -8,8 +8,14 @@
   connection bound to that address; large messages are striped over the live rails by their
   measured throughput, small ones (<= 64 KiB) go in one piece on one rail. If a rail dies the
   traffic moves to the others (``stats()['rail_failures']`` counts it).
-* ``handshake``: any string that must match on both ranks (model hash, TP layout, formats);
-  a mismatch raises ``ValueError`` on both ranks.
+* ``handshake``: any string that must match on both ranks (model hash, TP layout, formats).
+  On a mismatch the connecting rank (1) raises ``ValueError`` at once; the listening rank (0)
+  logs the rejected connection on stderr and keeps listening for the right peer, raising
+  ``RuntimeError`` (with the reason of the last rejection) when ``timeout`` passes. Garbage,
+  silent or half-open connections to rank 0's port are rejected the same way.
+* ``token``: an optional shared secret (both ranks the same). Each side proves it knows the
+  token with HMAC-SHA256 over both ranks' random nonces; the token itself never crosses the
+  wire. Use one whenever rank 0's port can be reached by anyone but the peer.
 * Every wait is bounded by ``timeout`` seconds: a lost peer raises ``RuntimeError("peer
   lost: ...")``, never hangs. After such an error the group is unusable.
 
