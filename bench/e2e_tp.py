@@ -10,7 +10,6 @@ process's resident memory (VmRSS) after decoding, as a fraction of the TP=1 proc
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import subprocess
 import sys

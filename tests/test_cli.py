@@ -1,11 +1,21 @@
-"""The `tensorfold` command line, run as a user would (a subprocess)."""
+"""The `tensorfold` command line, run as a user would (a subprocess), or in-process through
+cli.main where a test looks at the conversation the chat keeps."""
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
+
+from tensorfold import cli
 
 FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" / "smollm2_llamacpp.json").read_text("utf-8"))
 
@@ -63,3 +73,272 @@ def test_errors_are_clear_not_tracebacks(tmp_path):
     bad.write_bytes(b"not a gguf file at all")
     r = run_cli("generate", str(bad), "-p", "x")
     assert r.returncode == 1 and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ no tracebacks, ever
+
+
+def run_cli_bytes(*args, stdin: bytes = b"", timeout: float = 300):
+    r = subprocess.run([sys.executable, "-m", "tensorfold.cli", *args], input=stdin, capture_output=True,
+                       timeout=timeout, env=dict(os.environ))
+    return r.returncode, r.stdout.decode("utf-8"), r.stderr.decode("utf-8", "replace")
+
+
+def _clean(stderr: str) -> bool:
+    return "Traceback" not in stderr and "Exception ignored" not in stderr
+
+
+def test_version():
+    import tensorfold
+
+    r = run_cli("--version")
+    assert r.returncode == 0
+    assert r.stdout == f"tensorfold {tensorfold.__version__} ({tensorfold._core.cpu_isa()})\n"
+    assert re.fullmatch(r"tensorfold \d+\.\d+\.\d+ \((avx512|avx2|scalar)\)\n", r.stdout)
+
+
+def _walk(parser, path=("tensorfold",)):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, path + (name,))
+        else:
+            yield path, action
+
+
+def test_every_option_of_every_command_has_help():
+    seen = set()
+    missing = []
+    for path, action in _walk(cli.build_parser()):
+        seen.add(path)
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if not (action.help or "").strip():
+            missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, f"options without help text: {missing}"
+    assert {("tensorfold", c) for c in ("chat", "generate", "worker", "info", "pull", "convert")} <= seen
+
+
+def test_invalid_utf8_prompt_on_stdin_and_argv(smollm2_path):
+    """Bytes that are not UTF-8 become U+FFFD (as Python's 'replace' decodes them), with the
+    same output as that text typed in."""
+    import tensorfold
+
+    eng = tensorfold.Engine(smollm2_path, threads=2)
+    want = eng.generate("\ufffd\ufffd Hello", max_tokens=8, temperature=0, ignore_eos=True).text + "\n"
+    args = ("generate", smollm2_path, "-n", "8", "--temperature", "0", "--ignore-eos", "-t", "2")
+    rc, out, err = run_cli_bytes(*args, stdin=b"\xff\xfe Hello")
+    assert rc == 0 and _clean(err), err
+    assert out == want
+    rc, out, err = run_cli_bytes(*args, "-p", os.fsdecode(b"\xff\xfe Hello"))  # raw bytes in argv
+    assert rc == 0 and _clean(err), err
+    assert out == want
+
+
+def test_closed_stdout_pipe_ends_quietly(smollm2_path):
+    p = subprocess.Popen([sys.executable, "-m", "tensorfold.cli", "generate", smollm2_path, "-p", "hi", "-n", "200",
+                          "--ignore-eos", "-t", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ))
+    head = p.stdout.read(10)  # `| head -c 10`
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    rc = p.wait(120)
+    assert len(head) == 10
+    assert rc == 141 and _clean(err) and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("opt,match", [
+    (["--top-k", "-1"], r"argument --top-k: must be an integer in \[0, 2147483647\], got -1"),
+    (["--temperature", "nan"], r"argument --temperature/--temp: must be a finite number >= 0, got nan"),
+    (["--temp", "inf"], r"must be a finite number >= 0, got inf"),
+    (["--top-p", "nan"], r"argument --top-p: must be a finite number in \(0, 1\], got nan"),
+    (["--top-p", "0"], r"argument --top-p: must be a finite number in \(0, 1\], got 0"),
+    (["--min-p", "1.5"], r"argument --min-p: must be a finite number in \[0, 1\], got 1.5"),
+    (["-n", "-3"], r"argument -n/--max-tokens: must be an integer in \[0, 2147483647\], got -3"),
+    (["--seed", "1.5"], r"argument --seed: invalid int value: '1.5'"),
+    (["-t", "0"], r"argument -t/--threads: must be an integer in \[1, 2147483647\], got 0"),
+    (["-c", "x"], r"argument -c/--context: expected an integer, got 'x'"),
+    (["--tp-timeout", "nan"], r"argument --tp-timeout: must be a finite number > 0, got nan"),
+])
+def test_bad_options_are_one_line_errors(capsys, opt, match):
+    for cmd in ("generate", "chat"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "model.gguf", "-p", "x", *opt] if cmd == "generate" else [cmd, "model.gguf", *opt])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("tensorfold: error: "), err
+        assert re.search(match, err), err
+
+
+def test_user_mistakes_are_one_line_errors(tmp_path, smollm2_path):
+    for args, match in ((("generate", str(tmp_path)), "is a directory"),
+                        (("generate", smollm2_path, "-p", ""), "the prompt is empty"),
+                        (("generate", smollm2_path, "-p", "hi", "-c", "64", "--kv-tokens", "16"), "kv_tokens"),
+                        (("chat", "no-such-model"), "not found"),
+                        (("info", str(tmp_path / "missing.gguf")), "error")):
+        r = run_cli(*args, "-t", "1") if args[0] != "info" else run_cli(*args)
+        assert r.returncode == 1, (args, r.stderr)
+        assert "tensorfold: error:" in r.stderr and re.search(match, r.stderr) and _clean(r.stderr), (args, r.stderr)
+
+
+def test_context_above_trained_length_warns(smollm2_path):
+    r = run_cli("generate", smollm2_path, "-p", "Hi", "-n", "2", "-t", "1", "-c", "8200")
+    assert r.returncode == 0 and _clean(r.stderr), r.stderr
+    assert "tensorfold: warning: context 8200 is longer than the 8192 tokens" in r.stderr
+    assert "RuntimeWarning" not in r.stderr  # one line, not a warnings listing
+
+
+def test_threads_above_the_usable_cpus_warn_and_still_work(smollm2_path):
+    from tensorfold import _core
+
+    n = 2 * _core.usable_cpus()
+    r = run_cli("generate", smollm2_path, "-p", "Hi", "-n", "4", "-t", str(n), "--temperature", "0")
+    assert r.returncode == 0 and _clean(r.stderr), r.stderr
+    assert f"tensorfold: warning: threads={n} is more than the {_core.usable_cpus()} CPUs" in r.stderr
+
+
+def test_ctrl_c_stops_an_oversubscribed_generate_within_a_second(smollm2_path):
+    # 64 threads on this machine's few CPUs: the pool must stay responsive (no spinning
+    # threads starving the ones with work) and Ctrl-C must end it within a second.
+    p = subprocess.Popen([sys.executable, "-m", "tensorfold.cli", "generate", smollm2_path, "-p", "Once upon a time",
+                          "-n", "100000", "-c", "8192", "--ignore-eos", "-t", "64"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ))
+    assert p.stdout.read(16)  # tokens are coming
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 130 and _clean(err.decode()), err.decode()
+    assert elapsed < 1.0, f"took {elapsed:.2f}s to stop"
+
+
+def test_generate_ctrl_c_exits_130_quietly(smollm2_path):
+    p = subprocess.Popen([sys.executable, "-m", "tensorfold.cli", "generate", smollm2_path, "-p", "Once upon a time",
+                          "-n", "2000", "-c", "2048", "--ignore-eos", "-t", "1"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ))
+    assert p.stdout.read(8)  # generating
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and _clean(err.decode()), err.decode()
+    assert "KeyboardInterrupt" not in err.decode()
+
+
+def test_pull_lists_known_models_with_sizes():
+    r = run_cli("pull", "--list")
+    assert r.returncode == 0 and _clean(r.stderr)
+    assert re.search(r"smollm2-135m-instruct\s+93\.8 MiB\s+SmolLM2", r.stdout), r.stdout
+    r = run_cli("pull", "no-such-model")
+    assert r.returncode == 1 and _clean(r.stderr)
+    assert "unknown model 'no-such-model'" in r.stderr and re.search(r"smollm2-135m-instruct\s+93\.8 MiB", r.stderr)
+
+
+# ------------------------------------------------------------------------------ chat
+
+
+class _Spy:
+    """Wraps Engine.stream to record the conversation of every turn and, on chosen turns,
+    raise KeyboardInterrupt after some pieces (as Ctrl-C does)."""
+
+    def __init__(self, monkeypatch, interrupt_after: dict[int, int] | None = None):
+        import tensorfold
+
+        self.turns: list[list[dict]] = []
+        self.interrupt_after = interrupt_after or {}
+        real = tensorfold.Engine.stream
+        spy = self
+
+        def stream(eng, *args, **kw):
+            spy.turns.append([dict(m) for m in kw["messages"]])
+            k = spy.interrupt_after.get(len(spy.turns) - 1)
+            pieces = real(eng, *args, **kw)
+            if k is None:
+                return pieces
+
+            def cut():
+                for i, piece in enumerate(pieces):
+                    if i == k:
+                        pieces.close()
+                        raise KeyboardInterrupt
+                    yield piece
+                if k >= 0:
+                    raise KeyboardInterrupt
+            return cut()
+
+        monkeypatch.setattr(tensorfold.Engine, "stream", stream)
+
+
+def _chat(monkeypatch, capsys, stdin: bytes, *args):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
+    rc = cli.main(["chat", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_chat_survives_invalid_utf8_input(monkeypatch, capsys, smollm2_path):
+    spy = _Spy(monkeypatch)
+    rc, out, err = _chat(monkeypatch, capsys, b"Hi\n\xff\xfe what\xed\xa0\x80 now?\nThanks\n/exit\n",
+                         smollm2_path, "-n", "4", "--temperature", "0", "-t", "2")
+    assert rc == 0 and _clean(err), err
+    users = [m["content"] for m in spy.turns[1] if m["role"] == "user"]
+    assert users == ["Hi", "\ufffd\ufffd what\ufffd\ufffd\ufffd now?"]
+    # the third turn still holds the whole conversation
+    assert [m["role"] for m in spy.turns[2]] == ["user", "assistant", "user", "assistant", "user"]
+
+
+def test_chat_drops_the_oldest_turns_to_fit_the_context(monkeypatch, capsys, smollm2_path):
+    spy = _Spy(monkeypatch)
+    long = "Tell me a long story about a dragon, with many details about the castle and the knight."
+    rc, out, err = _chat(monkeypatch, capsys, (f"{long}\n" * 4 + "/exit\n").encode(), smollm2_path,
+                         "-c", "128", "-n", "16", "--temperature", "0", "-t", "2", "--system", "Be brief.")
+    assert rc == 0 and _clean(err), err
+    assert re.search(r"\(dropped [12] oldest turns? to fit the context\)", err), err
+    assert err.count("tok/s") == 4  # every turn got a reply
+    for turn in spy.turns:
+        assert turn[0] == {"role": "system", "content": "Be brief."} and turn[-1]["content"] == long
+        assert [m["role"] for m in turn[1:]] == ["user", "assistant"] * ((len(turn) - 2) // 2) + ["user"]
+    assert len(spy.turns[-1]) < 2 + 2 * 3  # older turns went
+    # replies are not cut to one token: each prompt leaves the reserve (min(16, 128 // 4))
+    import tensorfold
+
+    eng = tensorfold.Engine(smollm2_path, threads=1, context=128)
+    for turn in spy.turns:
+        assert len(eng._prompt_ids(None, turn)) <= 128 - 16
+
+
+def test_chat_refuses_a_message_longer_than_the_context(monkeypatch, capsys, smollm2_path):
+    spy = _Spy(monkeypatch)
+    rc, out, err = _chat(monkeypatch, capsys, b"Hi\n" + b"word " * 300 + b"\nAnd now?\n/exit\n",
+                         smollm2_path, "-c", "128", "-n", "16", "--temperature", "0", "-t", "2")
+    assert rc == 0 and _clean(err), err
+    assert "that message is too long" in err and "it was not sent" in err
+    assert len(spy.turns) == 2
+    assert [m["content"] for m in spy.turns[1] if m["role"] == "user"] == ["Hi", "And now?"]
+
+
+def test_chat_ctrl_c_keeps_the_conversation(monkeypatch, capsys, smollm2_path):
+    """Ctrl-C during a reply keeps what was written of it; before the first piece it drops
+    the unanswered message (the turns still alternate); either way the chat goes on."""
+    spy = _Spy(monkeypatch, interrupt_after={0: 3, 1: 0})
+    rc, out, err = _chat(monkeypatch, capsys, b"Tell me a story\nWhat?\nHello\n/exit\n", smollm2_path,
+                         "-n", "32", "--temperature", "0", "-t", "2")
+    assert rc == 0 and _clean(err), err
+    assert "(interrupted; the partial reply is kept)" in err and "(interrupted; the message was dropped)" in err
+    assert [m["role"] for m in spy.turns[2]] == ["user", "assistant", "user"]
+    partial = spy.turns[2][1]["content"]
+    assert partial and out.startswith("> " + partial + "\n")  # after the input prompt
+    assert [m["content"] for m in spy.turns[2] if m["role"] == "user"] == ["Tell me a story", "Hello"]
+
+
+def test_chat_real_ctrl_c_stops_the_reply_and_goes_on(smollm2_path):
+    p = subprocess.Popen([sys.executable, "-m", "tensorfold.cli", "chat", smollm2_path, "-n", "60",
+                          "--temperature", "0", "-t", "1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    p.stdin.write(b"Write a long story about a dragon.\n")
+    p.stdin.flush()
+    assert p.stdout.read(12)  # "> " and the reply has begun
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(b"Say hi.\n/exit\n", timeout=120)
+    err = err.decode()
+    assert p.returncode == 0 and _clean(err), err
+    assert "(interrupted; the partial reply is kept)" in err or "(interrupted; the message was dropped)" in err
+    assert err.count("tok/s") >= 1 and "KeyboardInterrupt" not in err  # the next turn was answered

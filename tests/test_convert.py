@@ -332,14 +332,50 @@ def test_choose_pre():
     bl = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
     qsplit = {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated"}
     assert choose_pre("llama", {"pre_tokenizer": seq(qsplit, dict(bl, use_regex=False))}) == "qwen2"
-    assert choose_pre("qwen3moe", {"pre_tokenizer": None}) == "qwen2"  # arch fallback
     assert choose_pre("qwen3moe", {"pre_tokenizer": bl}) == "gpt-2"
     split = {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX}, "behavior": "Isolated"}
     assert choose_pre("llama", {"pre_tokenizer": seq(split, dict(bl, use_regex=False))}) == "llama-bpe"
     digits = {"type": "Digits", "individual_digits": True}
     assert choose_pre("llama", {"pre_tokenizer": seq(digits, bl)}) == "smollm"
     assert choose_pre("llama", {"pre_tokenizer": bl}) == "gpt-2"
-    assert choose_pre("llama", {"pre_tokenizer": None}) == "default"
+    # Never guessed (no architecture fallback, no "default"): anything else is refused.
+    unknown = [None, {"type": "Whitespace"}, seq(dict(qsplit, pattern={"Regex": r"\p{L}+|\p{N}+"}),
+                                                 dict(bl, use_regex=False)),
+               seq(split, bl),  # ByteLevel's own regex after the split: a different split
+               dict(bl, add_prefix_space=True), seq(digits, dict(bl, use_regex=False))]
+    for pre in unknown:
+        for arch in ("llama", "qwen3moe"):
+            with pytest.raises(ConvertError, match="not one TensorFold recognises.*llama-bpe.*--pre NAME"):
+                choose_pre(arch, {"pre_tokenizer": pre})
+
+
+def _with_pre_tokenizer(src, dst, pre):
+    d = _copy(src, dst)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    tj["pre_tokenizer"] = pre
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    return d
+
+
+def test_unknown_pre_tokenizer_is_refused_or_named(tmp_path, good_dir):
+    """An unrecognised pre-tokenizer stops the conversion (no file written); --pre names one."""
+    d = _with_pre_tokenizer(good_dir, tmp_path / "m", {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\p{L}+| ?\p{N}"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]})
+    out = tmp_path / "x.gguf"
+    with pytest.raises(ConvertError, match=r"Split\(.*not one TensorFold recognises.*qwen2: Split"):
+        convert(d, out, "f32", progress=False)
+    assert not out.exists() and not (tmp_path / "x.gguf.part").exists()
+    with pytest.raises(ConvertError, match="pre-tokenizer 'nope' is not one of .*llama-bpe"):
+        convert(d, out, "f32", progress=False, pre="nope")
+
+    ap = argparse.ArgumentParser(prog="tensorfold")
+    add_parser(ap.add_subparsers(dest="cmd"))
+    a = ap.parse_args(["convert", str(d), "-o", str(out), "--outtype", "f32", "-q"])
+    assert a.func(a) == 1 and not out.exists()
+    a = ap.parse_args(["convert", str(d), "-o", str(out), "--outtype", "f32", "-q", "--pre", "qwen2"])
+    assert a.func(a) == 0
+    assert gguf.GGUFReader(str(out)).fields["tokenizer.ggml.pre"].contents() == "qwen2"
 
 
 # ---------------------------------------------------------------------------- bad inputs

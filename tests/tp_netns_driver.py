@@ -28,8 +28,9 @@ def main() -> None:
         for p, ids in enumerate(prompts):
             toks: list[int] = []
             t0 = time.monotonic()
-            for _, tok, _ in eng._run(ids, max_tokens=32, temperature=0.0, top_k=40, top_p=1.0, min_p=0.0,
-                                      seed=0, stop=None, ignore_eos=True):
+            req = eng._request(ids, max_tokens=32, temperature=0.0, top_k=40, top_p=1.0, min_p=0.0,
+                               seed=0, ignore_eos=True)
+            for _, tok, _ in eng._run(req, []):
                 if tok is None:
                     continue
                 toks.append(tok)

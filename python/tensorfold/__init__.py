@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os as _os
 
+__version__ = "0.1.0"
+
 # Development builds: TENSORFOLD_CORE_DIR points at a CMake build folder holding _core*.so.
 if _os.environ.get("TENSORFOLD_CORE_DIR"):
     __path__.insert(0, _os.environ["TENSORFOLD_CORE_DIR"])  # type: ignore[name-defined]
@@ -11,5 +13,4 @@ from . import _core  # noqa: E402
 from .engine import Completion, Engine  # noqa: E402
 from .pull import pull  # noqa: E402
 
-__version__ = "0.1.0"
 __all__ = ["Engine", "Completion", "pull", "__version__"]

