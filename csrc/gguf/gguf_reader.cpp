@@ -372,16 +372,18 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
 
   // stat() before open(): opening a FIFO for reading blocks until a writer appears, and
   // opening a device can have side effects. O_NONBLOCK covers a path swapped in between.
+  auto require_regular = [&](const struct stat& st) {
+    if (S_ISDIR(st.st_mode)) fail(ErrorKind::InvalidInput, path, ": cannot open: Is a directory");
+    if (!S_ISREG(st.st_mode))
+      fail(ErrorKind::InvalidInput, path, ": not a regular file: it is ", file_kind(st.st_mode),
+           "; give the path of a .gguf file");
+  };
   struct stat st;
   if (::stat(in_path.c_str(), &st) != 0) {
     int e = errno;
     fail(ErrorKind::InvalidInput, path, ": cannot open: ", std::strerror(e));
   }
-  if (S_ISDIR(st.st_mode)) fail(ErrorKind::InvalidInput, path, ": cannot open: Is a directory");
-  if (!S_ISREG(st.st_mode)) {
-    fail(ErrorKind::InvalidInput, path, ": not a regular file: it is ", file_kind(st.st_mode),
-         "; give the path of a .gguf file");
-  }
+  require_regular(st);
   int fd = ::open(in_path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) {
     int e = errno;
@@ -392,11 +394,7 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
     int e = errno;
     fail(ErrorKind::InvalidInput, path, ": cannot stat: ", std::strerror(e));
   }
-  if (S_ISDIR(st.st_mode)) fail(ErrorKind::InvalidInput, path, ": cannot open: Is a directory");
-  if (!S_ISREG(st.st_mode)) {
-    fail(ErrorKind::InvalidInput, path, ": not a regular file: it is ", file_kind(st.st_mode),
-         "; give the path of a .gguf file");
-  }
+  require_regular(st);
   int fl = fcntl(fd, F_GETFL);
   if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
   f->mtime_sec_ = static_cast<int64_t>(st.st_mtim.tv_sec);
