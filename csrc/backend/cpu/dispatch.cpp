@@ -54,6 +54,16 @@ GgmlType act_type_for(GgmlType wt) {
   }
 }
 
+ActLayout act_layout(GgmlType wt) {
+  const auto info = detail::weight_info(wt);
+  TF_CHECK(info.ok, "cpu kernels: unsupported weight type id ", uint32_t(wt));
+  switch (info.act) {
+    case ActKind::G32: return ActLayout::Q8_32;
+    case ActKind::K: return ActLayout::Q8_256;
+    default: return ActLayout::F32;
+  }
+}
+
 size_t act_row_bytes(GgmlType wt, int64_t k) {
   const auto info = checked_info(wt, k);
   switch (info.act) {

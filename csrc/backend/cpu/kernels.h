@@ -10,6 +10,11 @@
 
 namespace tf::cpu {
 
+// Layout of quantized activation rows a weight type multiplies with. Weights of different
+// types that share a layout (e.g. Q4_K and Q6_K, or Q4_0 and Q8_0) can share one quantized
+// activation row.
+enum class ActLayout { F32, Q8_32, Q8_256 };
+ActLayout act_layout(GgmlType wt);
 // Activation format used with weights of type wt.
 GgmlType act_type_for(GgmlType wt);
 // Bytes of one quantized activation row of length k.
