@@ -26,6 +26,9 @@ from tensorfold import _core  # noqa: E402
 HALF_FIELDS = {
     Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
     Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+    Q.IQ2_XXS: [0], Q.IQ2_XS: [0], Q.IQ2_S: [0], Q.IQ3_XXS: [0], Q.IQ3_S: [0], Q.IQ4_NL: [0],
+    Q.IQ4_XS: [0], Q.IQ1_S: [0], Q.TQ1_0: [52], Q.TQ2_0: [64],
+    Q.IQ1_M: [], Q.MXFP4: [],  # scales set by make_weights (spread fp16 / E8M0 exponent)
 }
 FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]
 QUANT_TYPES = list(HALF_FIELDS)
@@ -34,9 +37,9 @@ ALL_TYPES = QUANT_TYPES + FLOAT_TYPES
 # Error allowed per format, relative to max(|x| @ |W|.T) (the size of the sums without
 # cancellation; max|y| itself can be tiny for a single block). Quantized formats: 8-bit
 # activation quantization dominates (typically ~0.3%); float formats only float32 rounding.
-REL_BOUND = {t: 1e-2 for t in QUANT_TYPES}
+REL_BOUND = {t: 1.5e-2 if t.name.startswith(("IQ1", "TQ")) else 1e-2 for t in QUANT_TYPES}
 REL_BOUND.update({Q.F32: 1e-5, Q.F16: 1e-5, Q.BF16: 1e-5})
-ACT_BLOCK = {t: 256 if t.name.endswith("_K") else 32 for t in QUANT_TYPES}
+ACT_BLOCK = {t: 32 if gguf.GGML_QUANT_SIZES[t][0] == 32 else 256 for t in QUANT_TYPES}
 
 ROWS = [1, 17, 31, 33, 257]
 KBLOCKS = [1, 3, 5]
@@ -72,6 +75,14 @@ def make_weights(t: Q, rows: int, k: int, rng: np.random.Generator) -> np.ndarra
         mag = 10.0 ** rng.uniform(-3, -1, size=(rows, nb))
         sign = rng.choice([-1.0, 1.0], size=(rows, nb))
         raw[:, :, off:off + 2] = (mag * sign).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    if t == Q.IQ1_M:  # fp16 d in the top nibbles of the four 16-bit scale words (bytes 48..55)
+        h = (10.0 ** rng.uniform(-3, -1, size=(rows, nb))).astype(np.float16).view(np.uint16)
+        sc = raw[:, :, 48:56].copy().view(np.uint16)
+        for i in range(4):
+            sc[..., i] = (sc[..., i] & np.uint16(0x0FFF)) | (((h >> np.uint16(4 * i)) & np.uint16(0xF)) << np.uint16(12))
+        raw[:, :, 48:56] = sc.view(np.uint8)
+    if t == Q.MXFP4:  # E8M0 exponent byte: scales 2^-9 .. 2^3
+        raw[:, :, 0] = rng.integers(118, 131, size=(rows, nb), dtype=np.uint8)
     return raw.reshape(rows, nb * ts)
 
 

@@ -19,8 +19,13 @@ from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 from tensorfold import _core  # noqa: E402
 
-SUPPORTED = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1",
-             "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"]
+# Weight types the engine computes with (kernels exist), and every type with a reference
+# dequantization: those plus the activation formats Q8_1 / Q8_K (no weight kernels).
+COMPUTABLE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+              "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+              "TQ1_0", "TQ2_0", "MXFP4"]
+SUPPORTED = COMPUTABLE + ["Q8_1", "Q8_K"]
 
 # ggml's block_q8_1 is {half d, half s, int8 qs[32]} = 36 bytes; gguf-py's table still lists
 # the old 40-byte layout. No GGUF file carries Q8_1 (it is an activation format).
@@ -30,6 +35,8 @@ GGML_SIZE_OVERRIDES = {"Q8_1": (32, 36)}
 HALF_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q8_1": [0, 2],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0], "IQ4_NL": [0],
+    "IQ4_XS": [0], "IQ1_S": [0], "TQ1_0": [52], "TQ2_0": [64],
 }
 
 
@@ -59,6 +66,12 @@ def _random_data(name: str, nblocks: int, seed: int) -> np.ndarray:
     if name == "Q8_K":  # float32 d
         d = (rng.standard_normal(nblocks) * 10.0 ** rng.uniform(-6, 3, nblocks)).astype(np.float32)
         raw[:, 0:4] = d.view(np.uint8).reshape(nblocks, 4)
+    if name == "IQ1_M":  # fp16 d spread over the top nibbles of the four 16-bit scale words
+        sc = raw[:, 48:56].copy().view(np.uint16)
+        h = _finite_halves(rng, nblocks)
+        for i in range(4):
+            sc[:, i] = (sc[:, i] & np.uint16(0x0FFF)) | (((h >> np.uint16(4 * i)) & np.uint16(0xF)) << np.uint16(12))
+        raw[:, 48:56] = sc.view(np.uint8)
     for off in HALF_FIELDS.get(name, []):
         raw[:, off:off + 2] = _finite_halves(rng, nblocks).view(np.uint8).reshape(nblocks, 2)
     return raw.reshape(-1)
@@ -99,8 +112,11 @@ def test_table_covers_every_gguf_type():
 
 
 def test_supported_set():
+    # "supported" means one thing: the engine has kernels for it (Q8_1 / Q8_K, activation
+    # formats, have references only).
     ours = _types()
-    assert sorted(n for n, r in ours.items() if r["supported"]) == sorted(SUPPORTED)
+    assert sorted(n for n, r in ours.items() if r["supported"]) == sorted(COMPUTABLE)
+    assert sorted(n for n, r in ours.items() if r["has_reference"]) == sorted(SUPPORTED)
 
 
 # --------------------------------------------------------------------------------------------

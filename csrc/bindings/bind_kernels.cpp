@@ -16,6 +16,7 @@
 #include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "quant/traits.h"
 
 namespace py = pybind11;
 
@@ -63,12 +64,13 @@ py::array_t<float> kernels_matmul(uint32_t type_id,
   check_threads(threads);
   TF_CHECK(type_id < kGgmlTypeIdLimit, "unknown type id ", type_id);
   const GgmlType wt = GgmlType(type_id);
-  const cpu::detail::WeightInfo info = cpu::detail::weight_info(wt);
-  TF_CHECK(info.ok, "type id ", type_id, " has no CPU matmul kernel");
+  const TypeTraits* tr = find_type_traits(type_id);
+  TF_CHECK(tr && tr->computable(), "type id ", type_id, " has no CPU matmul kernel (supported: ",
+           computable_type_names(), ")");
   TF_CHECK(rows >= 1, "rows must be >= 1, got ", rows);
-  TF_CHECK(k >= 1 && k % info.block == 0, "k=", k, " must be a positive multiple of the block size ",
-           info.block);
-  const size_t row_bytes = size_t(k / info.block) * info.bytes;
+  TF_CHECK(k >= 1 && k % tr->block_size == 0, "k=", k, " must be a positive multiple of the block size ",
+           tr->block_size);
+  const size_t row_bytes = tf::row_bytes(wt, k);
   TF_CHECK(size_t(w.size()) == size_t(rows) * row_bytes, "w has ", w.size(), " bytes, expected rows*row_bytes = ",
            rows, "*", row_bytes, " = ", size_t(rows) * row_bytes);
   TF_CHECK(x.ndim() == 2, "x must be 2-D [ncols, k], got ", x.ndim(), " dimensions");

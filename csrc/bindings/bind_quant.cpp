@@ -15,8 +15,14 @@ namespace py = pybind11;
 namespace tf {
 namespace {
 
-const TypeTraits& supported_traits(uint32_t type_id) {
-  return type_traits(static_cast<GgmlType>(type_id));  // throws Unsupported naming the type
+// Dequantization and quantization need the format's reference, not its kernels (Q8_1 and
+// Q8_K have references but no weight kernels).
+const TypeTraits& reference_traits(uint32_t type_id) {
+  const TypeTraits* t = find_type_traits(type_id);
+  if (t == nullptr || t->dequantize_ref == nullptr)
+    fail(ErrorKind::Unsupported, "tensor type ", t ? t->name : ("id " + std::to_string(type_id)).c_str(),
+         " has no reference (de)quantization in TensorFold");
+  return *t;
 }
 
 // Byte view of a bytes-like object or a C-contiguous numpy array of 1-byte items.
@@ -56,18 +62,19 @@ void bind_quant(py::module_& m) {
           d["name"] = t->name;
           d["block_size"] = t->block_size;
           d["type_size"] = t->type_size;
-          d["supported"] = t->supported;
+          d["supported"] = t->computable();
+          d["has_reference"] = t->dequantize_ref != nullptr;
           out.append(d);
         }
         return out;
       },
       "Every ggml type id TensorFold knows the layout of: list of dicts with id, name, "
-      "block_size, type_size, supported.");
+      "block_size, type_size, supported (kernels exist), has_reference (reference dequantization).");
 
   m.def(
       "dequantize",
       [](uint32_t type_id, const py::buffer& data, int64_t n) {
-        const TypeTraits& t = supported_traits(type_id);
+        const TypeTraits& t = reference_traits(type_id);
         TF_CHECK(n >= 0, "dequantize ", t.name, ": n must be >= 0, got ", n);
         TF_CHECK(n % t.block_size == 0, "dequantize ", t.name, ": n=", n,
                  " is not a multiple of the block size ", t.block_size);
@@ -90,7 +97,7 @@ void bind_quant(py::module_& m) {
   m.def(
       "quantize",
       [](uint32_t type_id, const py::array& x_obj) {
-        const TypeTraits& t = supported_traits(type_id);
+        const TypeTraits& t = reference_traits(type_id);
         if (t.quantize_ref == nullptr)
           fail(ErrorKind::Unsupported, "quantization to ", t.name, " is not implemented");
         TF_CHECK(x_obj.ndim() == 1, "quantize ", t.name, ": x must be 1-D, got ", x_obj.ndim(),

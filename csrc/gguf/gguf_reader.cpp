@@ -341,8 +341,10 @@ int64_t GgufTensorInfo::n_elements() const {
 }
 
 GgufFile::~GgufFile() {
-  if (base_) munmap(const_cast<uint8_t*>(base_), static_cast<size_t>(size_));
-  if (fd_ >= 0) ::close(fd_);
+  for (GgufPart& part : parts_) {
+    if (part.base) munmap(const_cast<uint8_t*>(part.base), static_cast<size_t>(part.size));
+    if (part.fd >= 0) ::close(part.fd);
+  }
 }
 
 namespace {
@@ -364,11 +366,13 @@ std::string display(const std::string& path) {
 
 }  // namespace
 
-std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
+std::shared_ptr<GgufFile> GgufFile::open_one(const std::string& in_path) {
   std::shared_ptr<GgufFile> f(new GgufFile());
-  f->path_ = in_path;
-  f->shown_ = display(in_path);
-  const std::string& path = f->shown_;  // every message below uses the printable form
+  f->parts_.emplace_back();
+  GgufPart& part = f->parts_[0];
+  part.path = in_path;
+  part.shown = display(in_path);
+  const std::string& path = part.shown;  // every message below uses the printable form
 
   // stat() before open(): opening a FIFO for reading blocks until a writer appears, and
   // opening a device can have side effects. O_NONBLOCK covers a path swapped in between.
@@ -389,7 +393,7 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
     int e = errno;
     fail(ErrorKind::InvalidInput, path, ": cannot open: ", std::strerror(e));
   }
-  f->fd_ = fd;  // closed by the destructor from here on
+  part.fd = fd;  // closed by the destructor from here on
   if (fstat(fd, &st) != 0) {
     int e = errno;
     fail(ErrorKind::InvalidInput, path, ": cannot stat: ", std::strerror(e));
@@ -397,8 +401,8 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
   require_regular(st);
   int fl = fcntl(fd, F_GETFL);
   if (fl >= 0) fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
-  f->mtime_sec_ = static_cast<int64_t>(st.st_mtim.tv_sec);
-  f->mtime_nsec_ = static_cast<int64_t>(st.st_mtim.tv_nsec);
+  part.mtime_sec = static_cast<int64_t>(st.st_mtim.tv_sec);
+  part.mtime_nsec = static_cast<int64_t>(st.st_mtim.tv_nsec);
   uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size == 0) {
     fail(ErrorKind::InvalidInput, path, ": truncated: the file is empty (0 bytes), not a GGUF file");
@@ -411,9 +415,10 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
     int e = errno;
     fail(ErrorKind::InvalidInput, path, ": cannot mmap: ", std::strerror(e));
   }
-  f->base_ = static_cast<const uint8_t*>(m);
-  f->size_ = size;
-  const uint8_t* p = f->base_;
+  part.base = static_cast<const uint8_t*>(m);
+  part.size = size;
+  f->total_size_ = size;
+  const uint8_t* p = part.base;
 
   Cursor c(path, p, size);
   c.where = "header";
@@ -535,7 +540,7 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
     ti.type_id = c.u32("type");
     const TypeTraits* tr = find_type_traits(ti.type_id);
     if (!tr) c.error(type_at, "unknown tensor type id " + std::to_string(ti.type_id));
-    ti.type_supported = tr->supported;
+    ti.type_supported = tr->computable();
     if (tr->block_size <= 0 || ti.ne[0] % tr->block_size != 0) {
       c.error(nd_at, "ne[0] = " + std::to_string(ti.ne[0]) + " is not a multiple of the " +
                          tr->name + " block size " + std::to_string(tr->block_size));
@@ -565,7 +570,8 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
     }
     data_off = size;  // no tensors: tolerate a file that ends without the final padding
   }
-  f->data_offset_ = data_off;
+  part.data_offset = data_off;
+  part.n_tensors = f->tensors_.size();
   const uint64_t data_size = size - data_off;
   for (size_t t = 0; t < f->tensors_.size(); ++t) {
     GgufTensorInfo& ti = f->tensors_[t];
@@ -586,6 +592,124 @@ std::shared_ptr<GgufFile> GgufFile::open(const std::string& in_path) {
   return f;
 }
 
+namespace {
+
+// llama.cpp's names for the parts of a split model (llama_split_path): PREFIX-%05d-of-%05d.gguf,
+// numbered from 1.
+std::string split_suffix(int64_t no, int64_t count) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "-%05lld-of-%05lld.gguf", static_cast<long long>(no + 1),
+                static_cast<long long>(count));
+  return buf;
+}
+
+// A split.* key: gguf-split writes u16 / i32, any integer type is read; range-checked.
+int64_t split_key(const GgufFile& f, const char* key, int64_t lo, int64_t hi) {
+  const int64_t v = f.get_int(key);  // names the key when missing or not an integer
+  if (v < lo || v > hi)
+    fail(ErrorKind::InvalidInput, f.display_path(), ": metadata key '", key, "' is ", v,
+         ", expected ", lo, "..", hi);
+  return v;
+}
+
+}  // namespace
+
+std::shared_ptr<GgufFile> GgufFile::open(const std::string& path) {
+  std::shared_ptr<GgufFile> f = open_one(path);
+  // Like llama.cpp, split.count 0 or 1 (or none) is an ordinary file.
+  if (!f->find("split.count") || split_key(*f, "split.count", 0, 65535) <= 1) return f;
+  return open_split(std::move(f));
+}
+
+std::shared_ptr<GgufFile> GgufFile::open_split(std::shared_ptr<GgufFile> f) {
+  const std::string given = f->display_path();
+  const int64_t count = split_key(*f, "split.count", 0, 65535);
+  const int64_t no = split_key(*f, "split.no", 0, count - 1);
+  // The siblings are found by name, as llama.cpp finds them.
+  const std::string suffix = split_suffix(no, count);
+  const std::string& raw = f->path();
+  if (raw.size() <= suffix.size() || raw.compare(raw.size() - suffix.size(), suffix.size(), suffix) != 0)
+    fail(ErrorKind::InvalidInput, given, ": this is part ", no + 1, " of a model split into ", count,
+         " files (split.no ", no, ", split.count ", count, "), but its name does not end in '", suffix,
+         "' as llama.cpp's gguf-split names the parts, so the other parts cannot be found; "
+         "restore the original file names");
+  const std::string prefix = raw.substr(0, raw.size() - suffix.size());
+
+  std::vector<std::shared_ptr<GgufFile>> parts(static_cast<size_t>(count));
+  parts[static_cast<size_t>(no)] = std::move(f);
+  int64_t expected = -1;  // split.tensors.count, the same in every part
+  uint64_t total = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    auto& part = parts[static_cast<size_t>(i)];
+    if (!part) {
+      const std::string path = prefix + split_suffix(i, count);
+      struct stat st;
+      if (::stat(path.c_str(), &st) != 0 && errno == ENOENT)
+        fail(ErrorKind::InvalidInput, display(path), ": part ", i + 1, " of ", count,
+             " of the split model is missing (no such file; opened from ", given, ")");
+      part = open_one(path);
+    }
+    const std::string& shown = part->display_path();
+    if (!part->find("split.count"))
+      fail(ErrorKind::InvalidInput, shown, ": expected part ", i + 1, " of ", count, " of the split model ",
+           given, ", but this file has no split.count: it is not a part of a split model");
+    const int64_t c = split_key(*part, "split.count", 0, 65535);
+    if (c != count)
+      fail(ErrorKind::InvalidInput, shown, ": split.count is ", c, " but ", given, " says ", count,
+           ": the file belongs to another split model");
+    const int64_t n = split_key(*part, "split.no", 0, 65535);
+    if (n != i)
+      fail(ErrorKind::InvalidInput, shown, ": split.no is ", n, " but the file is named as part ", i + 1,
+           " of ", count, " (split.no ", i, "): the parts are mixed up or renamed");
+    if (i == 0 || part->find("split.tensors.count")) {
+      const int64_t t = split_key(*part, "split.tensors.count", 0, std::numeric_limits<int32_t>::max());
+      if (expected < 0) expected = t;
+      if (t != expected)
+        fail(ErrorKind::InvalidInput, shown, ": split.tensors.count is ", t, " but part 1 says ", expected,
+             ": the file belongs to another split model");
+    }
+    total += part->tensors_.size();
+  }
+  if (total > kMaxTensors)
+    fail(ErrorKind::InvalidInput, given, ": the ", count, " parts hold ", total, " tensors, more than the ",
+         kMaxTensors, " tensors this reader accepts");
+
+  // One model: part 1 (its metadata) with every part's tensors, each still pointing into its
+  // own part's mapping; the mappings and descriptors move to part 1's object.
+  std::shared_ptr<GgufFile> m = parts[0];
+  std::vector<GgufTensorInfo> all;
+  all.reserve(static_cast<size_t>(total));  // the index holds views into these names
+  std::unordered_map<std::string_view, size_t> index;
+  index.reserve(static_cast<size_t>(total));
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (GgufTensorInfo& t : parts[i]->tensors_) {
+      t.part = static_cast<uint32_t>(i);
+      all.push_back(std::move(t));
+      auto [it, fresh] = index.emplace(std::string_view(all.back().name), all.size() - 1);
+      if (!fresh) {
+        const size_t j = all[it->second].part;
+        fail(ErrorKind::InvalidInput, given, ": tensor ", quote(all.back().name), " is in part ", j + 1, " (",
+             parts[j]->display_path(), ") and again in part ", i + 1, " (", parts[i]->display_path(),
+             "): duplicate tensor names across the parts of a split model");
+      }
+    }
+  }
+  if (static_cast<int64_t>(total) != expected)
+    fail(ErrorKind::InvalidInput, given, ": split.tensors.count says the model has ", expected,
+         " tensors, but its ", count, " parts hold ", total);
+  m->tensor_index_.clear();
+  m->tensors_ = std::move(all);
+  m->tensor_index_ = std::move(index);
+  m->parts_.reserve(parts.size());
+  for (size_t i = 1; i < parts.size(); ++i) {
+    m->parts_.push_back(parts[i]->parts_[0]);
+    parts[i]->parts_[0].base = nullptr;  // owned by m from here on
+    parts[i]->parts_[0].fd = -1;
+    m->total_size_ += m->parts_.back().size;
+  }
+  return m;
+}
+
 const GgufValue* GgufFile::find(const std::string& key) const {
   auto it = key_index_.find(std::string_view(key));
   return it == key_index_.end() ? nullptr : &kv_[it->second].second;
@@ -597,14 +721,16 @@ const GgufTensorInfo* GgufFile::find_tensor(const std::string& name) const {
 }
 
 GgufValue GgufFile::read_element(const GgufValue& array, uint64_t& pos) const {
-  if (array.type != GgufValueType::ARRAY || array.end > size_ || pos < array.begin ||
+  const GgufPart& part = parts_[0];  // metadata lives in the first part
+  const std::string& shown = part.shown;
+  if (array.type != GgufValueType::ARRAY || array.end > part.size || pos < array.begin ||
       pos >= array.end) {
-    fail(ErrorKind::InvalidInput, shown_, ": internal: element position ", pos,
+    fail(ErrorKind::InvalidInput, shown, ": internal: element position ", pos,
          " is outside the array [", array.begin, ", ", array.end, ")");
   }
   // The bytes were validated at open; bounds are checked again against the array's own range
   // because a file rewritten in place can change what the mapping shows.
-  Cursor c(shown_, base_, array.end);
+  Cursor c(shown, part.base, array.end);
   c.seek(pos);
   c.where = "array element";
   GgufValue v;
@@ -615,7 +741,7 @@ GgufValue GgufFile::read_element(const GgufValue& array, uint64_t& pos) const {
       default: v.type = array.elem_type; read_scalar(c, array.elem_type, v.i, v.u, v.f); break;
     }
   } catch (const Error& e) {
-    fail(ErrorKind::InvalidInput, shown_, ": a metadata array no longer reads as it did when the "
+    fail(ErrorKind::InvalidInput, shown, ": a metadata array no longer reads as it did when the "
          "file was opened (was the file modified?): ", e.what());
   }
   pos = c.pos();
@@ -640,21 +766,23 @@ std::vector<uint64_t> GgufFile::element_offsets(const GgufValue& array) const {
 }
 
 void GgufFile::check_unchanged() const {
-  struct stat st;
-  if (fd_ < 0 || fstat(fd_, &st) != 0) {
-    int e = errno;
-    fail(ErrorKind::InvalidInput, shown_, ": cannot stat the open model file: ", std::strerror(e));
-  }
-  const uint64_t now = static_cast<uint64_t>(st.st_size);
-  if (now < size_) {
-    fail(ErrorKind::InvalidInput, shown_, ": the file shrank from ", size_, " to ", now,
-         " bytes while it was in use; reading the missing part would crash (SIGBUS), reload "
-         "the model");
-  }
-  if (now != size_ || static_cast<int64_t>(st.st_mtim.tv_sec) != mtime_sec_ ||
-      static_cast<int64_t>(st.st_mtim.tv_nsec) != mtime_nsec_) {
-    fail(ErrorKind::InvalidInput, shown_, ": the file was modified while it was in use (size or "
-         "modification time changed); reload the model");
+  for (const GgufPart& part : parts_) {
+    struct stat st;
+    if (part.fd < 0 || fstat(part.fd, &st) != 0) {
+      int e = errno;
+      fail(ErrorKind::InvalidInput, part.shown, ": cannot stat the open model file: ", std::strerror(e));
+    }
+    const uint64_t now = static_cast<uint64_t>(st.st_size);
+    if (now < part.size) {
+      fail(ErrorKind::InvalidInput, part.shown, ": the file shrank from ", part.size, " to ", now,
+           " bytes while it was in use; reading the missing part would crash (SIGBUS), reload "
+           "the model");
+    }
+    if (now != part.size || static_cast<int64_t>(st.st_mtim.tv_sec) != part.mtime_sec ||
+        static_cast<int64_t>(st.st_mtim.tv_nsec) != part.mtime_nsec) {
+      fail(ErrorKind::InvalidInput, part.shown, ": the file was modified while it was in use (size "
+           "or modification time changed); reload the model");
+    }
   }
 }
 
@@ -692,37 +820,37 @@ double as_float(const std::string& path, const std::string& key, const GgufValue
 
 int64_t GgufFile::get_int(const std::string& key) const {
   const GgufValue* v = find(key);
-  if (!v) missing(shown_, key);
-  return as_int(shown_, key, *v);
+  if (!v) missing(display_path(), key);
+  return as_int(display_path(), key, *v);
 }
 
 int64_t GgufFile::get_int(const std::string& key, int64_t def) const {
   const GgufValue* v = find(key);
-  return v ? as_int(shown_, key, *v) : def;
+  return v ? as_int(display_path(), key, *v) : def;
 }
 
 double GgufFile::get_float(const std::string& key) const {
   const GgufValue* v = find(key);
-  if (!v) missing(shown_, key);
-  return as_float(shown_, key, *v);
+  if (!v) missing(display_path(), key);
+  return as_float(display_path(), key, *v);
 }
 
 double GgufFile::get_float(const std::string& key, double def) const {
   const GgufValue* v = find(key);
-  return v ? as_float(shown_, key, *v) : def;
+  return v ? as_float(display_path(), key, *v) : def;
 }
 
 std::string GgufFile::get_string(const std::string& key) const {
   const GgufValue* v = find(key);
-  if (!v) missing(shown_, key);
-  if (v->type != GgufValueType::STRING) wrong_type(shown_, key, *v, "string");
+  if (!v) missing(display_path(), key);
+  if (v->type != GgufValueType::STRING) wrong_type(display_path(), key, *v, "string");
   return v->s;
 }
 
 std::string GgufFile::get_string(const std::string& key, const std::string& def) const {
   const GgufValue* v = find(key);
   if (!v) return def;
-  if (v->type != GgufValueType::STRING) wrong_type(shown_, key, *v, "string");
+  if (v->type != GgufValueType::STRING) wrong_type(display_path(), key, *v, "string");
   return v->s;
 }
 
@@ -731,11 +859,23 @@ bool GgufFile::get_bool(const std::string& key, bool def) const {
   if (!v) return def;
   if (v->type == GgufValueType::BOOL) return v->i != 0;
   if (is_integer(v->type)) return v->i != 0;
-  wrong_type(shown_, key, *v, "bool");
+  wrong_type(display_path(), key, *v, "bool");
 }
 
 void GgufFile::advise_random() const {
-  if (base_ && size_ > 0) madvise(const_cast<uint8_t*>(base_), size_t(size_), MADV_RANDOM);
+  for (const GgufPart& part : parts_)
+    if (part.base && part.size > 0) madvise(const_cast<uint8_t*>(part.base), size_t(part.size), MADV_RANDOM);
+}
+
+std::pair<const GgufPart*, uint64_t> GgufFile::locate(const uint8_t* p, uint64_t n) const {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  for (const GgufPart& part : parts_) {
+    const auto b = reinterpret_cast<uintptr_t>(part.base);
+    if (part.base && addr >= b && addr - b <= part.size && n <= part.size - (addr - b))
+      return {&part, uint64_t(addr - b)};
+  }
+  fail(ErrorKind::Runtime, display_path(), ": internal: ", n, " bytes at ", static_cast<const void*>(p),
+       " are not inside any mapped part of the model");
 }
 
 }  // namespace tf

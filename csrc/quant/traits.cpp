@@ -2,8 +2,9 @@
 //
 // Block sizes and bytes per block are ggml's (the `gguf` package's GGML_QUANT_SIZES lists
 // the same numbers, except Q8_1 where it still says 40 bytes; ggml's block_q8_1 is two
-// halves + 32 int8 = 36 bytes, see blocks.h). Rows with supported=false are there so that
-// a file using them can still be inspected (tensor byte sizes) and rejected by name.
+// halves + 32 int8 = 36 bytes, see blocks.h). Rows without kernels are there so that a file
+// using them can still be inspected (tensor byte sizes) and refused by name; Q8_1 and Q8_K
+// are activation formats: they have references (tests) but no weight kernels.
 #include "quant/traits.h"
 
 #include <string>
@@ -12,45 +13,84 @@
 #include "quant/blocks.h"
 #include "quant/reference.h"
 
+#define TF_KERNEL_PARAMS int64_t, const void*, size_t, int64_t, int64_t, const void*, size_t, int64_t, float*, int64_t
+
+// A format's kernel entry points and (for formats whose kernel file carries it) its
+// reference dequantization, all defined in its kernel file(s).
+#define TF_DECLARE_KERNELS(ns)                                                            \
+  namespace tf::cpu::ns {                                                                 \
+  void scalar(TF_KERNEL_PARAMS);                                                          \
+  void avx2(TF_KERNEL_PARAMS);                                                            \
+  void avx512(TF_KERNEL_PARAMS);                                                          \
+  }
+#define TF_DECLARE_FORMAT(ns)                                                             \
+  TF_DECLARE_KERNELS(ns)                                                                  \
+  namespace tf::cpu::ns {                                                                 \
+  void dequantize_ref(const void* src, float* dst, int64_t n);                            \
+  }
+
+#if defined(TF_HAVE_X86_KERNELS)
+#define TF_CPU(layout, ns) {cpu::ActLayout::layout, cpu::ns::scalar, cpu::ns::avx2, cpu::ns::avx512}
+#else
+#define TF_CPU(layout, ns) {cpu::ActLayout::layout, cpu::ns::scalar, nullptr, nullptr}
+#endif
+#define TF_NO_CPU {}
+
+TF_DECLARE_KERNELS(f32)
+TF_DECLARE_KERNELS(f16)
+TF_DECLARE_KERNELS(bf16)
+TF_DECLARE_KERNELS(q4_0)
+TF_DECLARE_KERNELS(q4_1)
+TF_DECLARE_KERNELS(q5_0)
+TF_DECLARE_KERNELS(q5_1)
+TF_DECLARE_KERNELS(q8_0)
+TF_DECLARE_KERNELS(q2_k)
+TF_DECLARE_KERNELS(q3_k)
+TF_DECLARE_KERNELS(q4_k)
+TF_DECLARE_KERNELS(q5_k)
+TF_DECLARE_KERNELS(q6_k)
+TF_DECLARE_FORMAT(iq4_nl)
+TF_DECLARE_FORMAT(tq2_0)
+
 namespace tf {
 namespace {
 
-constexpr TypeTraits kTable[] = {
-    // id, name, block_size, type_size, supported, dequantize_ref, quantize_ref
-    {0, "F32", 1, 4, true, dequantize_row_f32_ref, quantize_row_f32_ref},
-    {1, "F16", 1, 2, true, dequantize_row_f16_ref, quantize_row_f16_ref},
-    {2, "Q4_0", QK4_0, sizeof(block_q4_0), true, dequantize_row_q4_0_ref, quantize_row_q4_0_ref},
-    {3, "Q4_1", QK4_1, sizeof(block_q4_1), true, dequantize_row_q4_1_ref, quantize_row_q4_1_ref},
-    {6, "Q5_0", QK5_0, sizeof(block_q5_0), true, dequantize_row_q5_0_ref, quantize_row_q5_0_ref},
-    {7, "Q5_1", QK5_1, sizeof(block_q5_1), true, dequantize_row_q5_1_ref, quantize_row_q5_1_ref},
-    {8, "Q8_0", QK8_0, sizeof(block_q8_0), true, dequantize_row_q8_0_ref, quantize_row_q8_0_ref},
-    {9, "Q8_1", QK8_1, sizeof(block_q8_1), true, dequantize_row_q8_1_ref, quantize_row_q8_1_ref},
-    {10, "Q2_K", QK_K, sizeof(block_q2_K), true, dequantize_row_q2_K_ref, quantize_row_q2_K_ref},
-    {11, "Q3_K", QK_K, sizeof(block_q3_K), true, dequantize_row_q3_K_ref, quantize_row_q3_K_ref},
-    {12, "Q4_K", QK_K, sizeof(block_q4_K), true, dequantize_row_q4_K_ref, quantize_row_q4_K_ref},
-    {13, "Q5_K", QK_K, sizeof(block_q5_K), true, dequantize_row_q5_K_ref, quantize_row_q5_K_ref},
-    {14, "Q6_K", QK_K, sizeof(block_q6_K), true, dequantize_row_q6_K_ref, quantize_row_q6_K_ref},
-    {15, "Q8_K", QK_K, sizeof(block_q8_K), true, dequantize_row_q8_K_ref, quantize_row_q8_K_ref},
-    {16, "IQ2_XXS", 256, 66, false, nullptr, nullptr},
-    {17, "IQ2_XS", 256, 74, false, nullptr, nullptr},
-    {18, "IQ3_XXS", 256, 98, false, nullptr, nullptr},
-    {19, "IQ1_S", 256, 50, false, nullptr, nullptr},
-    {20, "IQ4_NL", 32, 18, false, nullptr, nullptr},
-    {21, "IQ3_S", 256, 110, false, nullptr, nullptr},
-    {22, "IQ2_S", 256, 82, false, nullptr, nullptr},
-    {23, "IQ4_XS", 256, 136, false, nullptr, nullptr},
-    {24, "I8", 1, 1, false, nullptr, nullptr},
-    {25, "I16", 1, 2, false, nullptr, nullptr},
-    {26, "I32", 1, 4, false, nullptr, nullptr},
-    {27, "I64", 1, 8, false, nullptr, nullptr},
-    {28, "F64", 1, 8, false, nullptr, nullptr},
-    {29, "IQ1_M", 256, 56, false, nullptr, nullptr},
-    {30, "BF16", 1, 2, true, dequantize_row_bf16_ref, quantize_row_bf16_ref},
-    {34, "TQ1_0", 256, 54, false, nullptr, nullptr},
-    {35, "TQ2_0", 256, 66, false, nullptr, nullptr},
-    {39, "MXFP4", 32, 17, false, nullptr, nullptr},
-    {40, "NVFP4", 64, 36, false, nullptr, nullptr},
-    {41, "Q1_0", 128, 18, false, nullptr, nullptr},
+const TypeTraits kTable[] = {
+    // id, name, block_size, type_size, dequantize_ref, quantize_ref, cpu kernels
+    {0, "F32", 1, 4, dequantize_row_f32_ref, quantize_row_f32_ref, TF_CPU(F32, f32)},
+    {1, "F16", 1, 2, dequantize_row_f16_ref, quantize_row_f16_ref, TF_CPU(F32, f16)},
+    {2, "Q4_0", QK4_0, sizeof(block_q4_0), dequantize_row_q4_0_ref, quantize_row_q4_0_ref, TF_CPU(Q8_32, q4_0)},
+    {3, "Q4_1", QK4_1, sizeof(block_q4_1), dequantize_row_q4_1_ref, quantize_row_q4_1_ref, TF_CPU(Q8_32, q4_1)},
+    {6, "Q5_0", QK5_0, sizeof(block_q5_0), dequantize_row_q5_0_ref, quantize_row_q5_0_ref, TF_CPU(Q8_32, q5_0)},
+    {7, "Q5_1", QK5_1, sizeof(block_q5_1), dequantize_row_q5_1_ref, quantize_row_q5_1_ref, TF_CPU(Q8_32, q5_1)},
+    {8, "Q8_0", QK8_0, sizeof(block_q8_0), dequantize_row_q8_0_ref, quantize_row_q8_0_ref, TF_CPU(Q8_32, q8_0)},
+    {9, "Q8_1", QK8_1, sizeof(block_q8_1), dequantize_row_q8_1_ref, quantize_row_q8_1_ref, TF_NO_CPU},
+    {10, "Q2_K", QK_K, sizeof(block_q2_K), dequantize_row_q2_K_ref, quantize_row_q2_K_ref, TF_CPU(Q8_256, q2_k)},
+    {11, "Q3_K", QK_K, sizeof(block_q3_K), dequantize_row_q3_K_ref, quantize_row_q3_K_ref, TF_CPU(Q8_256, q3_k)},
+    {12, "Q4_K", QK_K, sizeof(block_q4_K), dequantize_row_q4_K_ref, quantize_row_q4_K_ref, TF_CPU(Q8_256, q4_k)},
+    {13, "Q5_K", QK_K, sizeof(block_q5_K), dequantize_row_q5_K_ref, quantize_row_q5_K_ref, TF_CPU(Q8_256, q5_k)},
+    {14, "Q6_K", QK_K, sizeof(block_q6_K), dequantize_row_q6_K_ref, quantize_row_q6_K_ref, TF_CPU(Q8_256, q6_k)},
+    {15, "Q8_K", QK_K, sizeof(block_q8_K), dequantize_row_q8_K_ref, quantize_row_q8_K_ref, TF_NO_CPU},
+    {16, "IQ2_XXS", 256, 66, nullptr, nullptr, TF_NO_CPU},
+    {17, "IQ2_XS", 256, 74, nullptr, nullptr, TF_NO_CPU},
+    {18, "IQ3_XXS", 256, 98, nullptr, nullptr, TF_NO_CPU},
+    {19, "IQ1_S", 256, 50, nullptr, nullptr, TF_NO_CPU},
+    {20, "IQ4_NL", 32, 18, cpu::iq4_nl::dequantize_ref, nullptr, TF_CPU(Q8_32, iq4_nl)},
+    {21, "IQ3_S", 256, 110, nullptr, nullptr, TF_NO_CPU},
+    {22, "IQ2_S", 256, 82, nullptr, nullptr, TF_NO_CPU},
+    {23, "IQ4_XS", 256, 136, nullptr, nullptr, TF_NO_CPU},
+    {24, "I8", 1, 1, nullptr, nullptr, TF_NO_CPU},
+    {25, "I16", 1, 2, nullptr, nullptr, TF_NO_CPU},
+    {26, "I32", 1, 4, nullptr, nullptr, TF_NO_CPU},
+    {27, "I64", 1, 8, nullptr, nullptr, TF_NO_CPU},
+    {28, "F64", 1, 8, nullptr, nullptr, TF_NO_CPU},
+    {29, "IQ1_M", 256, 56, nullptr, nullptr, TF_NO_CPU},
+    {30, "BF16", 1, 2, dequantize_row_bf16_ref, quantize_row_bf16_ref, TF_CPU(F32, bf16)},
+    {34, "TQ1_0", 256, 54, nullptr, nullptr, TF_NO_CPU},
+    {35, "TQ2_0", 256, 66, cpu::tq2_0::dequantize_ref, nullptr, TF_CPU(Q8_256, tq2_0)},
+    {39, "MXFP4", 32, 17, nullptr, nullptr, TF_NO_CPU},
+    {40, "NVFP4", 64, 36, nullptr, nullptr, TF_NO_CPU},
+    {41, "Q1_0", 128, 18, nullptr, nullptr, TF_NO_CPU},
 };
 
 static_assert(sizeof(block_q8_1) == 36, "ggml's block_q8_1 is 36 bytes");
@@ -58,14 +98,11 @@ static_assert(sizeof(block_q8_1) == 36, "ggml's block_q8_1 is 36 bytes");
 // Direct lookup by id (ids are small; kGgmlTypeIdLimit bounds them).
 struct Index {
   const TypeTraits* by_id[kGgmlTypeIdLimit] = {};
-  std::string supported_list;
+  std::string computable;
   Index() {
     for (const TypeTraits& t : kTable) {
       by_id[t.id] = &t;
-      if (t.supported) {
-        if (!supported_list.empty()) supported_list += ", ";
-        supported_list += t.name;
-      }
+      if (t.computable()) computable += (computable.empty() ? "" : ", ") + std::string(t.name);
     }
   }
 };
@@ -82,15 +119,17 @@ const TypeTraits* find_type_traits(uint32_t id) {
   return index().by_id[id];
 }
 
+const std::string& computable_type_names() { return index().computable; }
+
 const TypeTraits& type_traits(GgmlType t) {
   const uint32_t id = static_cast<uint32_t>(t);
   const TypeTraits* tr = find_type_traits(id);
   if (tr == nullptr)
     fail(ErrorKind::Unsupported, "tensor type id ", id, " is unknown to TensorFold (supported: ",
-         index().supported_list, ")");
-  if (!tr->supported)
+         computable_type_names(), ")");
+  if (!tr->computable())
     fail(ErrorKind::Unsupported, "tensor type ", tr->name,
-         " is not supported by TensorFold (supported: ", index().supported_list, ")");
+         " is not supported by TensorFold (supported: ", computable_type_names(), ")");
   return *tr;
 }
 

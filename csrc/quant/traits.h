@@ -1,10 +1,13 @@
-// One traits table for every weight format: the single place a format is described.
-// Adding a format = a block struct in blocks.h, a reference dequant/quant in reference.cpp,
-// a row in the table in traits.cpp, and (optionally) fast kernels in backend/cpu.
+// One traits table for every weight format: the single place a format is described — block
+// geometry, scalar reference (de)quantization, the activation layout it multiplies with and
+// its CPU kernel per ISA. Adding a format = its kernel file (backend/cpu/formats/) plus one
+// row in traits.cpp; "supported" means exactly "has a row with kernels".
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
+#include "backend/cpu/cpu_kernels.h"
 #include "core/dtype.h"
 
 namespace tf {
@@ -14,18 +17,23 @@ struct TypeTraits {
   const char* name;        // ggml's name, e.g. "Q4_K"
   int64_t block_size;      // weights per block (1 for float types)
   size_t type_size;        // bytes per block
-  bool supported;          // false: size known (the file can be inspected) but no kernels
-  // Scalar reference dequantization of n values (n a multiple of block_size).
+  // Scalar reference dequantization of n values (n a multiple of block_size); bit-exact with
+  // the gguf package. nullptr: the layout is known (sizes) but not its values.
   void (*dequantize_ref)(const void* src, float* dst, int64_t n);
   // Scalar reference quantization (float -> format), nullptr where not implemented.
   void (*quantize_ref)(const float* src, void* dst, int64_t n);
+  cpu::CpuKernels cpu;     // cpu.scalar == nullptr: weights of this type cannot be computed with
+  bool computable() const { return cpu.scalar != nullptr; }
 };
 
-// Traits for any ggml type id we know the layout of (supported or not); nullptr otherwise.
+// Traits for any ggml type id we know the layout of (computable or not); nullptr otherwise.
 const TypeTraits* find_type_traits(uint32_t id);
-// Traits of a supported type; throws tf::Error(Unsupported) naming the type otherwise.
+// Traits of a computable type; throws tf::Error(Unsupported) naming the type and listing the
+// computable ones otherwise.
 const TypeTraits& type_traits(GgmlType t);
-const char* type_name(uint32_t id);  // "type#<id>" style name for unknown ids is not returned: nullptr
+const char* type_name(uint32_t id);  // nullptr for ids without a row
+// "F32, F16, ..., IQ4_XS": the computable types, for error messages.
+const std::string& computable_type_names();
 // Bytes of a row of n elements; throws if n is not a multiple of the block size.
 size_t row_bytes(GgmlType t, int64_t n);
 

@@ -6,17 +6,15 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cpu/cpu_kernels.h"
 #include "core/dtype.h"
 
 namespace tf::cpu {
 
-// Layout of quantized activation rows a weight type multiplies with. Weights of different
-// types that share a layout (e.g. Q4_K and Q6_K, or Q4_0 and Q8_0) can share one quantized
-// activation row.
-enum class ActLayout { F32, Q8_32, Q8_256 };
+// Layout of quantized activation rows a weight type multiplies with (cpu_kernels.h).
+// Weights of different types that share a layout (e.g. Q4_K and Q6_K, or Q4_0 and Q8_0) can
+// share one quantized activation row.
 ActLayout act_layout(GgmlType wt);
-// Activation format used with weights of type wt.
-GgmlType act_type_for(GgmlType wt);
 // Bytes of one quantized activation row of length k.
 size_t act_row_bytes(GgmlType wt, int64_t k);
 // Quantize one activation row of length k (a multiple of wt's block size).

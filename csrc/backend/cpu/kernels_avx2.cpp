@@ -140,7 +140,7 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
   const uint8_t* w = static_cast<const uint8_t*>(wv);
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
   const int64_t nb = k / 256;
-  const size_t bb = weight_info(T).bytes;
+  constexpr size_t bb = block_bytes<T>();
   KU ku[KC];
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b0 = 0; b0 < nb; b0 += KC) {
@@ -253,23 +253,19 @@ void quantize_avx2(ActKind kind, const float* x, void* xq, int64_t k) {
   quantize_scalar(kind, x, xq, k);
 }
 
-MatmulFn avx2_matmul_fn(GgmlType wt) {
-  switch (wt) {
-    case T_::F32: return matmul_f<T_::F32>;
-    case T_::F16: return matmul_f<T_::F16>;
-    case T_::BF16: return matmul_f<T_::BF16>;
-    case T_::Q4_0: return matmul_g32<T_::Q4_0>;
-    case T_::Q4_1: return matmul_g32<T_::Q4_1>;
-    case T_::Q5_0: return matmul_g32<T_::Q5_0>;
-    case T_::Q5_1: return matmul_g32<T_::Q5_1>;
-    case T_::Q8_0: return matmul_g32<T_::Q8_0>;
-    case T_::Q2_K: return matmul_k<T_::Q2_K>;
-    case T_::Q3_K: return matmul_k<T_::Q3_K>;
-    case T_::Q4_K: return matmul_k<T_::Q4_K>;
-    case T_::Q5_K: return matmul_k<T_::Q5_K>;
-    case T_::Q6_K: return matmul_k<T_::Q6_K>;
-    default: return nullptr;
-  }
-}
-
 }  // namespace tf::cpu::detail
+
+// Entry points named in the traits table (quant/traits.cpp).
+TF_EXPORT_KERNEL(f32, avx2, matmul_f<GgmlType::F32>)
+TF_EXPORT_KERNEL(f16, avx2, matmul_f<GgmlType::F16>)
+TF_EXPORT_KERNEL(bf16, avx2, matmul_f<GgmlType::BF16>)
+TF_EXPORT_KERNEL(q4_0, avx2, matmul_g32<GgmlType::Q4_0>)
+TF_EXPORT_KERNEL(q4_1, avx2, matmul_g32<GgmlType::Q4_1>)
+TF_EXPORT_KERNEL(q5_0, avx2, matmul_g32<GgmlType::Q5_0>)
+TF_EXPORT_KERNEL(q5_1, avx2, matmul_g32<GgmlType::Q5_1>)
+TF_EXPORT_KERNEL(q8_0, avx2, matmul_g32<GgmlType::Q8_0>)
+TF_EXPORT_KERNEL(q2_k, avx2, matmul_k<GgmlType::Q2_K>)
+TF_EXPORT_KERNEL(q3_k, avx2, matmul_k<GgmlType::Q3_K>)
+TF_EXPORT_KERNEL(q4_k, avx2, matmul_k<GgmlType::Q4_K>)
+TF_EXPORT_KERNEL(q5_k, avx2, matmul_k<GgmlType::Q5_K>)
+TF_EXPORT_KERNEL(q6_k, avx2, matmul_k<GgmlType::Q6_K>)

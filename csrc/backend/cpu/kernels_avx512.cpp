@@ -335,14 +335,6 @@ inline void unpack_k(const uint8_t* p, KW& o) {
   }
 }
 
-template <T_ T>
-constexpr size_t kbytes() {
-  return T == T_::Q2_K ? sizeof(block_q2_K)
-       : T == T_::Q3_K ? sizeof(block_q3_K)
-       : T == T_::Q4_K ? sizeof(block_q4_K)
-       : T == T_::Q5_K ? sizeof(block_q5_K)
-                       : sizeof(block_q6_K);
-}
 
 constexpr int KC = 8;  // blocks per k chunk (unpacked once per row tile)
 
@@ -399,7 +391,7 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
   const uint8_t* w = static_cast<const uint8_t*>(wv);
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
   const int64_t nb = k / 256;
-  constexpr size_t BB = kbytes<T>();
+  constexpr size_t BB = block_bytes<T>();
   KW kw[4 * KC];
   // GEMV: one row at a time (one sequential weight stream); GEMM: 4-row tiles.
   const int64_t rt = ncols == 1 ? 1 : 4;
@@ -557,25 +549,6 @@ void quantize_avx512(ActKind kind, const float* x, void* xq, int64_t k) {
   quantize_row_with(kind, x, xq, k, quant_block);
 }
 
-MatmulFn avx512_matmul_fn(GgmlType wt) {
-  switch (wt) {
-    case T_::F32: return matmul_f<T_::F32>;
-    case T_::F16: return matmul_f<T_::F16>;
-    case T_::BF16: return matmul_f<T_::BF16>;
-    case T_::Q4_0: return matmul_g32<T_::Q4_0>;
-    case T_::Q4_1: return matmul_g32<T_::Q4_1>;
-    case T_::Q5_0: return matmul_g32<T_::Q5_0>;
-    case T_::Q5_1: return matmul_g32<T_::Q5_1>;
-    case T_::Q8_0: return matmul_g32<T_::Q8_0>;
-    case T_::Q2_K: return matmul_k<T_::Q2_K>;
-    case T_::Q3_K: return matmul_k<T_::Q3_K>;
-    case T_::Q4_K: return matmul_k<T_::Q4_K>;
-    case T_::Q5_K: return matmul_k<T_::Q5_K>;
-    case T_::Q6_K: return matmul_k<T_::Q6_K>;
-    default: return nullptr;
-  }
-}
-
 uint64_t read_bytes_avx512(const void* p, size_t n) {
   const uint8_t* b = static_cast<const uint8_t*>(p);
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
@@ -596,3 +569,18 @@ uint64_t read_bytes_avx512(const void* p, size_t n) {
 }
 
 }  // namespace tf::cpu::detail
+
+// Entry points named in the traits table (quant/traits.cpp).
+TF_EXPORT_KERNEL(f32, avx512, matmul_f<GgmlType::F32>)
+TF_EXPORT_KERNEL(f16, avx512, matmul_f<GgmlType::F16>)
+TF_EXPORT_KERNEL(bf16, avx512, matmul_f<GgmlType::BF16>)
+TF_EXPORT_KERNEL(q4_0, avx512, matmul_g32<GgmlType::Q4_0>)
+TF_EXPORT_KERNEL(q4_1, avx512, matmul_g32<GgmlType::Q4_1>)
+TF_EXPORT_KERNEL(q5_0, avx512, matmul_g32<GgmlType::Q5_0>)
+TF_EXPORT_KERNEL(q5_1, avx512, matmul_g32<GgmlType::Q5_1>)
+TF_EXPORT_KERNEL(q8_0, avx512, matmul_g32<GgmlType::Q8_0>)
+TF_EXPORT_KERNEL(q2_k, avx512, matmul_k<GgmlType::Q2_K>)
+TF_EXPORT_KERNEL(q3_k, avx512, matmul_k<GgmlType::Q3_K>)
+TF_EXPORT_KERNEL(q4_k, avx512, matmul_k<GgmlType::Q4_K>)
+TF_EXPORT_KERNEL(q5_k, avx512, matmul_k<GgmlType::Q5_K>)
+TF_EXPORT_KERNEL(q6_k, avx512, matmul_k<GgmlType::Q6_K>)

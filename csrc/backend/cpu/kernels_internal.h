@@ -17,8 +17,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "backend/cpu/cpu_kernels.h"
 #include "core/cpu_features.h"
 #include "core/dtype.h"
+#include "quant/blocks.h"
 
 namespace tf::cpu::detail {
 
@@ -30,23 +32,11 @@ struct alignas(4) ActK {
 };
 static_assert(sizeof(ActK) == 320, "ActK layout");
 
-enum class ActKind { F32, G32, K };
-
-struct WeightInfo {
-  bool ok;
-  int64_t block;   // values per block
-  size_t bytes;    // bytes per block
-  ActKind act;
-};
-
-// Block geometry for the formats the kernels support (ok=false otherwise).
-WeightInfo weight_info(GgmlType wt);
+using ActKind = ActLayout;  // the layouts described at the top of this file
 
 inline int64_t g32_groups(int64_t k) { return (k / 32 + 1) / 2; }
 inline size_t g32_row_bytes(int64_t k) { return size_t(g32_groups(k)) * 80; }
 
-using MatmulFn = void (*)(int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1,
-                          const void* xq, size_t xq_stride, int64_t ncols, float* y, int64_t ldy);
 using QuantFn = void (*)(ActKind kind, const float* x, void* xq, int64_t k);
 
 // Writes one activation row in `kind`'s layout (see the top of this file). The layout logic
@@ -57,7 +47,7 @@ void quantize_row_with(ActKind kind, const float* x, void* xq, int64_t k, QuantB
     std::memcpy(xq, x, size_t(k) * 4);
     return;
   }
-  if (kind == ActKind::G32) {
+  if (kind == ActKind::Q8_32) {
     const int64_t nb = k / 32, ng = g32_groups(k);
     int8_t* qs = static_cast<int8_t*>(xq);
     float* sc = reinterpret_cast<float*>(qs + ng * 64);
@@ -90,10 +80,6 @@ void quantize_row_with(ActKind kind, const float* x, void* xq, int64_t k, QuantB
   }
 }
 
-// Per-ISA tables: nullptr where a format has no kernel in that translation unit.
-MatmulFn scalar_matmul_fn(GgmlType wt);
-MatmulFn avx2_matmul_fn(GgmlType wt);
-MatmulFn avx512_matmul_fn(GgmlType wt);
 void quantize_scalar(ActKind kind, const float* x, void* xq, int64_t k);
 void quantize_avx2(ActKind kind, const float* x, void* xq, int64_t k);
 void quantize_avx512(ActKind kind, const float* x, void* xq, int64_t k);
@@ -118,9 +104,33 @@ struct KUnpacked {
   int16_t sc[16];
   int16_t mn[16];
 };
+// Bytes per block of the formats the hand-written kernels in kernels_*.cpp cover.
+template <GgmlType T>
+constexpr size_t block_bytes();
+template <> constexpr size_t block_bytes<GgmlType::Q4_0>() { return sizeof(block_q4_0); }
+template <> constexpr size_t block_bytes<GgmlType::Q4_1>() { return sizeof(block_q4_1); }
+template <> constexpr size_t block_bytes<GgmlType::Q5_0>() { return sizeof(block_q5_0); }
+template <> constexpr size_t block_bytes<GgmlType::Q5_1>() { return sizeof(block_q5_1); }
+template <> constexpr size_t block_bytes<GgmlType::Q8_0>() { return sizeof(block_q8_0); }
+template <> constexpr size_t block_bytes<GgmlType::Q2_K>() { return sizeof(block_q2_K); }
+template <> constexpr size_t block_bytes<GgmlType::Q3_K>() { return sizeof(block_q3_K); }
+template <> constexpr size_t block_bytes<GgmlType::Q4_K>() { return sizeof(block_q4_K); }
+template <> constexpr size_t block_bytes<GgmlType::Q5_K>() { return sizeof(block_q5_K); }
+template <> constexpr size_t block_bytes<GgmlType::Q6_K>() { return sizeof(block_q6_K); }
+
 // Scale/min decoding of one K block (no values); implemented in kernels_scalar.cpp.
 void k_scales(GgmlType wt, const void* block, KUnpacked* out);
 // Full scalar unpack of the q values (0..63) of one K block.
 void k_values(GgmlType wt, const void* block, uint8_t* q256);
 
 }  // namespace tf::cpu::detail
+
+// Defines tf::cpu::<ns>::<isa>(...) calling detail::<impl>: the entry points the traits table
+// (quant/traits.cpp) names. Used at global scope at the end of a kernel file.
+#define TF_EXPORT_KERNEL(ns, isa, ...)                                                        \
+  namespace tf::cpu::ns {                                                                    \
+  void isa(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq,      \
+           size_t xs, int64_t ncols, float* y, int64_t ldy) {                                \
+    detail::__VA_ARGS__(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);                            \
+  }                                                                                          \
+  }

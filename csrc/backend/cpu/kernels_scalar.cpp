@@ -10,24 +10,6 @@
 
 namespace tf::cpu::detail {
 
-WeightInfo weight_info(GgmlType wt) {
-  switch (wt) {
-    case GgmlType::F32: return {true, 1, 4, ActKind::F32};
-    case GgmlType::F16: return {true, 1, 2, ActKind::F32};
-    case GgmlType::BF16: return {true, 1, 2, ActKind::F32};
-    case GgmlType::Q4_0: return {true, 32, sizeof(block_q4_0), ActKind::G32};
-    case GgmlType::Q4_1: return {true, 32, sizeof(block_q4_1), ActKind::G32};
-    case GgmlType::Q5_0: return {true, 32, sizeof(block_q5_0), ActKind::G32};
-    case GgmlType::Q5_1: return {true, 32, sizeof(block_q5_1), ActKind::G32};
-    case GgmlType::Q8_0: return {true, 32, sizeof(block_q8_0), ActKind::G32};
-    case GgmlType::Q2_K: return {true, 256, sizeof(block_q2_K), ActKind::K};
-    case GgmlType::Q3_K: return {true, 256, sizeof(block_q3_K), ActKind::K};
-    case GgmlType::Q4_K: return {true, 256, sizeof(block_q4_K), ActKind::K};
-    case GgmlType::Q5_K: return {true, 256, sizeof(block_q5_K), ActKind::K};
-    case GgmlType::Q6_K: return {true, 256, sizeof(block_q6_K), ActKind::K};
-    default: return {false, 0, 0, ActKind::F32};
-  }
-}
 
 // ---------------------------------------------------------------------------------------
 // Activation quantization (symmetric, q in [-127, 127], ties to even like cvtps2dq).
@@ -259,7 +241,7 @@ template <GgmlType T>
 void matmul_g32(int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1, const void* xq,
                 size_t xq_stride, int64_t ncols, float* y, int64_t ldy) {
   const int64_t nb = k / 32, ng = g32_groups(k);
-  const size_t bb = weight_info(T).bytes;
+  constexpr size_t bb = block_bytes<T>();
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = static_cast<const uint8_t*>(w) + size_t(r) * w_stride;
     for (int64_t c = 0; c < ncols; ++c) {
@@ -285,7 +267,7 @@ template <GgmlType T>
 void matmul_k(int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1, const void* xq,
               size_t xq_stride, int64_t ncols, float* y, int64_t ldy) {
   const int64_t nb = k / 256;
-  const size_t bb = weight_info(T).bytes;
+  constexpr size_t bb = block_bytes<T>();
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = static_cast<const uint8_t*>(w) + size_t(r) * w_stride;
     for (int64_t c = 0; c < ncols; ++c) {
@@ -342,25 +324,6 @@ void matmul_float(int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t
 
 }  // namespace
 
-MatmulFn scalar_matmul_fn(GgmlType wt) {
-  switch (wt) {
-    case GgmlType::F32: return matmul_float<GgmlType::F32>;
-    case GgmlType::F16: return matmul_float<GgmlType::F16>;
-    case GgmlType::BF16: return matmul_float<GgmlType::BF16>;
-    case GgmlType::Q4_0: return matmul_g32<GgmlType::Q4_0>;
-    case GgmlType::Q4_1: return matmul_g32<GgmlType::Q4_1>;
-    case GgmlType::Q5_0: return matmul_g32<GgmlType::Q5_0>;
-    case GgmlType::Q5_1: return matmul_g32<GgmlType::Q5_1>;
-    case GgmlType::Q8_0: return matmul_g32<GgmlType::Q8_0>;
-    case GgmlType::Q2_K: return matmul_k<GgmlType::Q2_K>;
-    case GgmlType::Q3_K: return matmul_k<GgmlType::Q3_K>;
-    case GgmlType::Q4_K: return matmul_k<GgmlType::Q4_K>;
-    case GgmlType::Q5_K: return matmul_k<GgmlType::Q5_K>;
-    case GgmlType::Q6_K: return matmul_k<GgmlType::Q6_K>;
-    default: return nullptr;
-  }
-}
-
 uint64_t read_bytes(const void* p, size_t n) {
   const uint8_t* b = static_cast<const uint8_t*>(p);
   uint64_t acc = 0;
@@ -375,3 +338,18 @@ uint64_t read_bytes(const void* p, size_t n) {
 }
 
 }  // namespace tf::cpu::detail
+
+// Entry points named in the traits table (quant/traits.cpp).
+TF_EXPORT_KERNEL(f32, scalar, matmul_float<GgmlType::F32>)
+TF_EXPORT_KERNEL(f16, scalar, matmul_float<GgmlType::F16>)
+TF_EXPORT_KERNEL(bf16, scalar, matmul_float<GgmlType::BF16>)
+TF_EXPORT_KERNEL(q4_0, scalar, matmul_g32<GgmlType::Q4_0>)
+TF_EXPORT_KERNEL(q4_1, scalar, matmul_g32<GgmlType::Q4_1>)
+TF_EXPORT_KERNEL(q5_0, scalar, matmul_g32<GgmlType::Q5_0>)
+TF_EXPORT_KERNEL(q5_1, scalar, matmul_g32<GgmlType::Q5_1>)
+TF_EXPORT_KERNEL(q8_0, scalar, matmul_g32<GgmlType::Q8_0>)
+TF_EXPORT_KERNEL(q2_k, scalar, matmul_k<GgmlType::Q2_K>)
+TF_EXPORT_KERNEL(q3_k, scalar, matmul_k<GgmlType::Q3_K>)
+TF_EXPORT_KERNEL(q4_k, scalar, matmul_k<GgmlType::Q4_K>)
+TF_EXPORT_KERNEL(q5_k, scalar, matmul_k<GgmlType::Q5_K>)
+TF_EXPORT_KERNEL(q6_k, scalar, matmul_k<GgmlType::Q6_K>)

@@ -6,6 +6,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
+#include "quant/traits.h"
 #include "quant/blocks.h"
 
 namespace tf::cuda {
@@ -58,13 +59,14 @@ __global__ void gemv_kernel(const uint8_t* w, size_t row_bytes, int64_t rows, in
   if (lane == 0) y[r] = s;
 }
 
+// Block geometry comes from the traits table; this backend has kernels for a few types only.
 size_t row_size(uint32_t type_id, int64_t k) {
-  switch (type_id) {
-    case 1: return size_t(k) * 2;
-    case 8: TF_CHECK(k % QK8_0 == 0, "k must be a multiple of 32"); return size_t(k / QK8_0) * sizeof(block_q8_0);
-    case 3: TF_CHECK(k % QK4_1 == 0, "k must be a multiple of 32"); return size_t(k / QK4_1) * sizeof(block_q4_1);
-    default: fail(ErrorKind::Unsupported, "CUDA backend: type id ", type_id, " has no kernel yet (F16, Q8_0, Q4_1)");
+  if (type_id != 1 && type_id != 3 && type_id != 8) {
+    const TypeTraits* t = find_type_traits(type_id);
+    fail(ErrorKind::Unsupported, "CUDA backend: type ", t ? t->name : std::to_string(type_id).c_str(),
+         " has no kernel yet (F16, Q8_0, Q4_1)");
   }
+  return row_bytes(static_cast<GgmlType>(type_id), k);
 }
 
 struct DeviceBuffer {

@@ -1,0 +1,325 @@
+// Generic CPU matmul drivers for weight formats that decode, block by block, into signed
+// 8-bit values with integer sub-block scales. A format file (backend/cpu/formats/*.cpp)
+// supplies only the block decoders — a scalar one (the reference) and a vectorised one —
+// and instantiates these drivers; the integer dot products, the row/column tiling, the
+// prefetching and the activation layouts are shared here.
+//
+//   Decoded256 (256-value blocks, Q8_256 activations):  w[i] = d * sc[i / 16] * q[i]
+//   Decoded32  (32-value blocks, Q8_32 activations):    w[i] = d * q[i]
+//
+// with q in [-127, 127] and |sc| <= 127, so every integer sum below fits in int32 and the
+// result differs from the float reference only by float summation order (and by the 8-bit
+// activation quantization every quantized path has).
+//
+// The vector drivers are compiled through function target attributes, so a format file is
+// built without ISA flags and its scalar code runs on any CPU; the AVX2 / AVX-512 entry
+// points are only called after runtime detection (core/cpu_features).
+#pragma once
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "backend/cpu/kernels_internal.h"
+
+#if defined(TF_HAVE_X86_KERNELS)
+#include <immintrin.h>
+#define TF_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TF_TARGET_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#endif
+
+namespace tf::cpu::detail {
+
+struct alignas(64) Decoded256 {
+  int8_t q[256];
+  int16_t sc[16];
+  float d;
+};
+
+struct alignas(32) Decoded32 {
+  int8_t q[32];
+  float d;
+};
+
+using Decode256Fn = void (*)(const uint8_t* block, Decoded256* out);
+using Decode32Fn = void (*)(const uint8_t* block, Decoded32* out);
+
+// ---------------------------------------------------------------------------------------
+// Scalar drivers (the reference for the vector ones).
+
+template <Decode256Fn Decode, size_t kBytes>
+void matmul_d256_scalar(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq,
+                        size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  const int64_t nb = k / 256;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(w) + size_t(r) * ws;
+    for (int64_t c = 0; c < ncols; ++c) y[c * ldy + r] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      Decoded256 u;
+      Decode(row + size_t(b) * kBytes, &u);
+      for (int64_t c = 0; c < ncols; ++c) {
+        const ActK& a = reinterpret_cast<const ActK*>(static_cast<const uint8_t*>(xq) + size_t(c) * xs)[b];
+        int isum = 0;
+        for (int j = 0; j < 16; ++j) {
+          int s = 0;
+          for (int i = 0; i < 16; ++i) s += int(u.q[16 * j + i]) * int(a.qs[16 * j + i]);
+          isum += s * u.sc[j];
+        }
+        y[c * ldy + r] += u.d * a.d * float(isum);
+      }
+    }
+  }
+}
+
+template <Decode32Fn Decode, size_t kBytes>
+void matmul_d32_scalar(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq,
+                       size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  const int64_t nb = k / 32, ng = g32_groups(k);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(w) + size_t(r) * ws;
+    for (int64_t c = 0; c < ncols; ++c) y[c * ldy + r] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      Decoded32 u;
+      Decode(row + size_t(b) * kBytes, &u);
+      for (int64_t c = 0; c < ncols; ++c) {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(static_cast<const uint8_t*>(xq) + size_t(c) * xs);
+        const float* sc = reinterpret_cast<const float*>(qs + ng * 64);
+        int isum = 0;
+        for (int i = 0; i < 32; ++i) isum += int(u.q[i]) * int(qs[32 * b + i]);
+        y[c * ldy + r] += u.d * sc[4 * (b / 2) + (b & 1)] * float(isum);
+      }
+    }
+  }
+}
+
+#if defined(TF_HAVE_X86_KERNELS)
+
+// GEMV streams the weights once: prefetch this far ahead of the decoder.
+constexpr int kDecodedPrefetch = 1024;
+constexpr int kDecodedChunk = 8;    // blocks decoded per row before the column loop
+constexpr int64_t kDecodedColBlock = 64;  // columns whose activations stay in L2
+
+TF_TARGET_AVX2 inline float hsum8_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+TF_TARGET_AVX2 inline void prefetch_block(const uint8_t* p, size_t bytes) {
+  for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o + kDecodedPrefetch), _MM_HINT_T0);
+}
+
+// ---- AVX2, 256-value blocks -----------------------------------------------------------
+
+// Sum over one decoded block of sc[j] * sum(q * x), as 8 int32 lanes. maddubs(|q|, sign(x, q))
+// gives q*x pairs without saturation (|q|, |x| <= 127).
+TF_TARGET_AVX2 inline __m256i d256_dot_avx2(const Decoded256& u, const __m256i* scv, const int8_t* x) {
+  __m256i s = _mm256_setzero_si256();
+  for (int i = 0; i < 8; ++i) {
+    const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * i));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i));
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scv[i]));
+  }
+  return s;
+}
+
+template <Decode256Fn Decode, size_t kBytes>
+TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1,
+                                     const void* xv, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  const uint8_t* w = static_cast<const uint8_t*>(wv);
+  const uint8_t* xq = static_cast<const uint8_t*>(xv);
+  const int64_t nb = k / 256;
+  Decoded256 u[kDecodedChunk];
+  __m256i scv[kDecodedChunk][8];
+  for (int64_t c0 = 0; c0 < ncols; c0 += kDecodedColBlock) {
+    const int64_t nc = std::min(kDecodedColBlock, ncols - c0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = w + size_t(r) * ws;
+      for (int64_t b0 = 0; b0 < nb; b0 += kDecodedChunk) {
+        const int kcb = int(std::min<int64_t>(kDecodedChunk, nb - b0));
+        for (int b = 0; b < kcb; ++b) {
+          const uint8_t* blk = row + size_t(b0 + b) * kBytes;
+          if (ncols == 1) prefetch_block(blk, kBytes);
+          Decode(blk, &u[b]);
+          for (int i = 0; i < 8; ++i)
+            scv[b][i] = _mm256_set_m128i(_mm_set1_epi16(u[b].sc[2 * i + 1]), _mm_set1_epi16(u[b].sc[2 * i]));
+        }
+        for (int64_t c = c0; c < c0 + nc; ++c) {
+          const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0;
+          __m256 acc = _mm256_setzero_ps();
+          for (int b = 0; b < kcb; ++b)
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d256_dot_avx2(u[b], scv[b], a[b].qs)),
+                                  _mm256_set1_ps(u[b].d * a[b].d), acc);
+          float& dst = y[c * ldy + r];
+          const float v = hsum8_avx2(acc);
+          dst = b0 == 0 ? v : dst + v;
+        }
+      }
+    }
+  }
+}
+
+// ---- AVX2, 32-value blocks --------------------------------------------------------------
+
+template <Decode32Fn Decode, size_t kBytes>
+TF_TARGET_AVX2 void matmul_d32_avx2(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1,
+                                    const void* xv, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  const uint8_t* w = static_cast<const uint8_t*>(wv);
+  const uint8_t* xq = static_cast<const uint8_t*>(xv);
+  const int64_t nb = k / 32, ng = g32_groups(k);
+  constexpr int kChunk = 4 * kDecodedChunk;
+  Decoded32 u[kChunk];
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t c0 = 0; c0 < ncols; c0 += kDecodedColBlock) {
+    const int64_t nc = std::min(kDecodedColBlock, ncols - c0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = w + size_t(r) * ws;
+      for (int64_t b0 = 0; b0 < nb; b0 += kChunk) {
+        const int kcb = int(std::min<int64_t>(kChunk, nb - b0));
+        if (ncols == 1) prefetch_block(row + size_t(b0) * kBytes, size_t(kcb) * kBytes);
+        for (int b = 0; b < kcb; ++b) Decode(row + size_t(b0 + b) * kBytes, &u[b]);
+        for (int64_t c = c0; c < c0 + nc; ++c) {
+          const int8_t* qs = reinterpret_cast<const int8_t*>(xq + size_t(c) * xs);
+          const float* sc = reinterpret_cast<const float*>(qs + ng * 64);
+          __m256 acc = _mm256_setzero_ps();
+          for (int b = 0; b < kcb; ++b) {
+            const int64_t bb = b0 + b;
+            const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(u[b].q));
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * bb));
+            const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), ones);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(u[b].d * sc[4 * (bb / 2) + (bb & 1)]), acc);
+          }
+          float& dst = y[c * ldy + r];
+          const float v = hsum8_avx2(acc);
+          dst = b0 == 0 ? v : dst + v;
+        }
+      }
+    }
+  }
+}
+
+// ---- AVX-512 (BW + VNNI), 256-value blocks ----------------------------------------------
+
+// One decoded block as four 64-value vectors: |q|, the lanes where q < 0, and the sub-block
+// scales laid out per maddubs lane (lanes 8m..8m+7 of vector i belong to sub-block 4i + m).
+struct alignas(64) D256Zmm {
+  __m512i aq[4];
+  __m512i sc[4];
+  __mmask64 neg[4];
+  float d;
+};
+
+alignas(64) inline const int16_t kD256ScIdx[4][32] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
+};
+
+TF_TARGET_AVX512 inline void d256_to_zmm(const Decoded256& u, D256Zmm& z) {
+  const __m512i sc = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc)));
+  for (int i = 0; i < 4; ++i) {
+    const __m512i q = _mm512_load_si512(u.q + 64 * i);
+    z.aq[i] = _mm512_abs_epi8(q);
+    z.neg[i] = _mm512_movepi8_mask(q);
+    z.sc[i] = _mm512_permutexvar_epi16(_mm512_load_si512(kD256ScIdx[i]), sc);
+  }
+  z.d = u.d;
+}
+
+template <int NC>
+TF_TARGET_AVX512 inline void d256_tile_avx512(const D256Zmm* z, int kcb, const uint8_t* xq, size_t xs,
+                                              int64_t b0, float* y, int64_t ldy, bool first) {
+  __m512 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+  for (int b = 0; b < kcb; ++b) {
+    const D256Zmm& u = z[b];
+    for (int c = 0; c < NC; ++c) {
+      const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0 + b;
+      __m512i s = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) {
+        const __m512i x = _mm512_loadu_si512(a->qs + 64 * i);
+        const __m512i sx = _mm512_mask_sub_epi8(x, u.neg[i], _mm512_setzero_si512(), x);
+        s = _mm512_dpwssd_epi32(s, _mm512_maddubs_epi16(u.aq[i], sx), u.sc[i]);
+      }
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(u.d * a->d), acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    const float v = _mm512_reduce_add_ps(acc[c]);
+    float& dst = y[c * ldy];
+    dst = first ? v : dst + v;
+  }
+}
+
+template <Decode256Fn Decode, size_t kBytes>
+TF_TARGET_AVX512 void matmul_d256_avx512(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1,
+                                         const void* xv, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  const uint8_t* w = static_cast<const uint8_t*>(wv);
+  const uint8_t* xq = static_cast<const uint8_t*>(xv);
+  const int64_t nb = k / 256;
+  Decoded256 u;
+  D256Zmm z[kDecodedChunk];
+  for (int64_t c0 = 0; c0 < ncols; c0 += kDecodedColBlock) {
+    const int64_t nc = std::min(kDecodedColBlock, ncols - c0);
+    const uint8_t* xc = xq + size_t(c0) * xs;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = w + size_t(r) * ws;
+      float* yr = y + c0 * ldy + r;
+      for (int64_t b0 = 0; b0 < nb; b0 += kDecodedChunk) {
+        const int kcb = int(std::min<int64_t>(kDecodedChunk, nb - b0));
+        for (int b = 0; b < kcb; ++b) {
+          const uint8_t* blk = row + size_t(b0 + b) * kBytes;
+          if (ncols == 1) prefetch_block(blk, kBytes);
+          Decode(blk, &u);
+          d256_to_zmm(u, z[b]);
+        }
+        const bool first = b0 == 0;
+        int64_t c = 0;
+        for (; c + 4 <= nc; c += 4) d256_tile_avx512<4>(z, kcb, xc + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first);
+        switch (nc - c) {
+          case 1: d256_tile_avx512<1>(z, kcb, xc + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+          case 2: d256_tile_avx512<2>(z, kcb, xc + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+          case 3: d256_tile_avx512<3>(z, kcb, xc + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+          default: break;
+        }
+      }
+    }
+  }
+}
+
+// The 32-value path on AVX-512 CPUs: the AVX2 driver compiled for the wider target (the
+// blocks are too small for 512-bit decoding to pay off).
+template <Decode32Fn Decode, size_t kBytes>
+TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1,
+                                        const void* xq, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  matmul_d32_avx2<Decode, kBytes>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+}
+
+#endif  // TF_HAVE_X86_KERNELS
+
+}  // namespace tf::cpu::detail
+
+// Defines a format's three CPU entry points (namespace tf::cpu::<ns>: scalar, avx2, avx512)
+// from its decoders; the traits table (quant/traits.cpp) points at them.
+#define TF_MATMUL_PARAMS \
+  int64_t k, const void *w, size_t ws, int64_t r0, int64_t r1, const void *xq, size_t xs, int64_t ncols, float *y, int64_t ldy
+#define TF_MATMUL_ARGS k, w, ws, r0, r1, xq, xs, ncols, y, ldy
+#if defined(TF_HAVE_X86_KERNELS)
+#define TF_DECODED_KERNELS(ns, width, bytes, decode_scalar, decode_fast)                                 \
+  namespace tf::cpu::ns {                                                                                \
+  void scalar(TF_MATMUL_PARAMS) { detail::matmul_d##width##_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); } \
+  TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) { detail::matmul_d##width##_avx2<decode_fast, bytes>(TF_MATMUL_ARGS); } \
+  TF_TARGET_AVX512 void avx512(TF_MATMUL_PARAMS) {                                                       \
+    detail::matmul_d##width##_avx512<decode_fast, bytes>(TF_MATMUL_ARGS);                                \
+  }                                                                                                      \
+  }
+#else
+#define TF_DECODED_KERNELS(ns, width, bytes, decode_scalar, decode_fast)                                 \
+  namespace tf::cpu::ns {                                                                                \
+  void scalar(TF_MATMUL_PARAMS) { detail::matmul_d##width##_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); } \
+  }
+#endif
