@@ -50,7 +50,17 @@ TF_DECLARE_KERNELS(q4_k)
 TF_DECLARE_KERNELS(q5_k)
 TF_DECLARE_KERNELS(q6_k)
 TF_DECLARE_FORMAT(iq4_nl)
+TF_DECLARE_FORMAT(iq4_xs)
+TF_DECLARE_FORMAT(tq1_0)
+TF_DECLARE_FORMAT(mxfp4)
+TF_DECLARE_FORMAT(iq2_xxs)
+TF_DECLARE_FORMAT(iq2_xs)
+TF_DECLARE_FORMAT(iq2_s)
+TF_DECLARE_FORMAT(iq3_xxs)
+TF_DECLARE_FORMAT(iq3_s)
 TF_DECLARE_FORMAT(tq2_0)
+TF_DECLARE_FORMAT(iq1_s)
+TF_DECLARE_FORMAT(iq1_m)
 
 namespace tf {
 namespace {
@@ -71,24 +81,24 @@ const TypeTraits kTable[] = {
     {13, "Q5_K", QK_K, sizeof(block_q5_K), dequantize_row_q5_K_ref, quantize_row_q5_K_ref, TF_CPU(Q8_256, q5_k)},
     {14, "Q6_K", QK_K, sizeof(block_q6_K), dequantize_row_q6_K_ref, quantize_row_q6_K_ref, TF_CPU(Q8_256, q6_k)},
     {15, "Q8_K", QK_K, sizeof(block_q8_K), dequantize_row_q8_K_ref, quantize_row_q8_K_ref, TF_NO_CPU},
-    {16, "IQ2_XXS", 256, 66, nullptr, nullptr, TF_NO_CPU},
-    {17, "IQ2_XS", 256, 74, nullptr, nullptr, TF_NO_CPU},
-    {18, "IQ3_XXS", 256, 98, nullptr, nullptr, TF_NO_CPU},
-    {19, "IQ1_S", 256, 50, nullptr, nullptr, TF_NO_CPU},
+    {16, "IQ2_XXS", 256, 66, cpu::iq2_xxs::dequantize_ref, nullptr, TF_CPU(Q8_256, iq2_xxs)},
+    {17, "IQ2_XS", 256, 74, cpu::iq2_xs::dequantize_ref, nullptr, TF_CPU(Q8_256, iq2_xs)},
+    {18, "IQ3_XXS", 256, 98, cpu::iq3_xxs::dequantize_ref, nullptr, TF_CPU(Q8_256, iq3_xxs)},
+    {19, "IQ1_S", 256, 50, cpu::iq1_s::dequantize_ref, nullptr, TF_CPU(Q8_256, iq1_s)},
     {20, "IQ4_NL", 32, 18, cpu::iq4_nl::dequantize_ref, nullptr, TF_CPU(Q8_32, iq4_nl)},
-    {21, "IQ3_S", 256, 110, nullptr, nullptr, TF_NO_CPU},
-    {22, "IQ2_S", 256, 82, nullptr, nullptr, TF_NO_CPU},
-    {23, "IQ4_XS", 256, 136, nullptr, nullptr, TF_NO_CPU},
+    {21, "IQ3_S", 256, 110, cpu::iq3_s::dequantize_ref, nullptr, TF_CPU(Q8_256, iq3_s)},
+    {22, "IQ2_S", 256, 82, cpu::iq2_s::dequantize_ref, nullptr, TF_CPU(Q8_256, iq2_s)},
+    {23, "IQ4_XS", 256, 136, cpu::iq4_xs::dequantize_ref, nullptr, TF_CPU(Q8_256, iq4_xs)},
     {24, "I8", 1, 1, nullptr, nullptr, TF_NO_CPU},
     {25, "I16", 1, 2, nullptr, nullptr, TF_NO_CPU},
     {26, "I32", 1, 4, nullptr, nullptr, TF_NO_CPU},
     {27, "I64", 1, 8, nullptr, nullptr, TF_NO_CPU},
     {28, "F64", 1, 8, nullptr, nullptr, TF_NO_CPU},
-    {29, "IQ1_M", 256, 56, nullptr, nullptr, TF_NO_CPU},
+    {29, "IQ1_M", 256, 56, cpu::iq1_m::dequantize_ref, nullptr, TF_CPU(Q8_256, iq1_m)},
     {30, "BF16", 1, 2, dequantize_row_bf16_ref, quantize_row_bf16_ref, TF_CPU(F32, bf16)},
-    {34, "TQ1_0", 256, 54, nullptr, nullptr, TF_NO_CPU},
+    {34, "TQ1_0", 256, 54, cpu::tq1_0::dequantize_ref, nullptr, TF_CPU(Q8_256, tq1_0)},
     {35, "TQ2_0", 256, 66, cpu::tq2_0::dequantize_ref, nullptr, TF_CPU(Q8_256, tq2_0)},
-    {39, "MXFP4", 32, 17, nullptr, nullptr, TF_NO_CPU},
+    {39, "MXFP4", 32, 17, cpu::mxfp4::dequantize_ref, nullptr, TF_CPU(Q8_32, mxfp4)},
     {40, "NVFP4", 64, 36, nullptr, nullptr, TF_NO_CPU},
     {41, "Q1_0", 128, 18, nullptr, nullptr, TF_NO_CPU},
 };

@@ -1,0 +1,214 @@
+// IQ2_XS: 256 weights per 74-byte block, eight sub-blocks of 32 —
+//   bytes  0..1   fp16 d
+//   bytes  2..65  32 little-endian uint16, one per group g of 8 weights (sub-block g/4):
+//                 bits 0..8 index kIq2xsGrid (magnitudes 8, 25, 43): weight 8g + m is byte m
+//                 of grid[index]; bits 9..15 select kSignsIq2xs[] (7 sign bits + the parity
+//                 bit), bit m set = weight 8g + m negative
+//   bytes 66..73  one byte per sub-block s: low nibble the scale u of weights 32s..32s+15,
+//                 high nibble that of weights 32s+16..32s+31
+// w = d * (0.5 + u) * 0.25 * grid * sign = (d/8) * (2u + 1) * (±grid).
+#include "backend/cpu/decoded.h"
+#include "core/half.h"
+#include "quant/tables/iq_tables.h"
+
+namespace tf::cpu::iq2_xs {
+
+namespace {
+constexpr size_t kBytes = 74;
+
+uint16_t ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+uint64_t ld64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
+  for (int g = 0; g < 32; ++g) {
+    const uint16_t v = ld16(b + 2 + 2 * g);
+    const uint8_t signs = iq::kSignsIq2xs[v >> 9];
+    const uint64_t grid = iq::kIq2xsGrid[v & 511];
+    for (int m = 0; m < 8; ++m) {
+      const int q = int((grid >> (8 * m)) & 0xFF);
+      u->q[8 * g + m] = int8_t(signs >> m & 1 ? -q : q);
+    }
+  }
+  for (int s = 0; s < 8; ++s) {
+    u->sc[2 * s] = int16_t(2 * (b[66 + s] & 0xF) + 1);
+    u->sc[2 * s + 1] = int16_t(2 * (b[66 + s] >> 4) + 1);
+  }
+  u->d = fp16_to_fp32(ld16(b)) * 0.125f;  // exact: a power of two on a float32 from an fp16
+}
+
+#if defined(TF_HAVE_X86_KERNELS)
+// As for IQ2_XXS, the decoder is the cost and the shuffle ports its limit: a sub-block needs
+// two in-lane shuffles (signs, scales) plus the grid inserts.
+
+// kSignsIq2xs[] for all 32 groups at once (32 table look-ups cost more): byte l of lane k =
+// the sign byte of group l of sub-block kLane[k] (packus interleaves the 128-bit lanes: lanes
+// hold sub-blocks 0 1 4 5 | 2 3 6 7). Then regrouped so that one in-lane shuffle spreads a
+// sub-block's signs: the low 128-bit lane holds bytes 0, 1 of every lane, the high one bytes
+// 2, 3 (sub-block s at byte pair kLane[s] of each).
+constexpr int kLane[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+TF_TARGET_AVX2 inline __m256i block_signs(const uint8_t* qs) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32));
+  __m256i t = _mm256_packus_epi16(_mm256_srli_epi16(a, 9), _mm256_srli_epi16(b, 9));  // 7-bit fields
+  // bit 7 of each byte <- xor of its bits 0..6 (the shifted-in bits come from the same byte)
+  __m256i p = _mm256_xor_si256(t, _mm256_slli_epi32(t, 4));
+  p = _mm256_xor_si256(p, _mm256_slli_epi32(p, 2));
+  p = _mm256_xor_si256(p, _mm256_slli_epi32(p, 1));
+  t = _mm256_or_si256(t, _mm256_and_si256(p, _mm256_set1_epi8(char(0x80))));
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,  //
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(t, pairs), _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// The sixteen scales 2u+1 as bytes, in sub-block order, in both 128-bit lanes.
+TF_TARGET_AVX2 inline __m256i block_scales(const uint8_t* sc) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m128i v = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+  return _mm256_broadcastsi128_si256(_mm_or_si128(_mm_add_epi8(v, v), _mm_set1_epi8(1)));
+}
+
+// Per sub-block shuffle patterns: for block_signs (byte 2k / 2k+1 over the two groups of each
+// 128-bit lane, k = kLane[s]); for block_scales (scale 2s zero-extended to every word of the
+// low lane, the weights 32s..32s+15 of maddubs' output; scale 2s+1 in the high lane).
+struct alignas(32) Patterns {
+  int8_t sign[8][32];
+  int8_t scale[8][32];
+  constexpr Patterns() : sign(), scale() {
+    for (int s = 0; s < 8; ++s)
+      for (int i = 0; i < 32; ++i) {
+        sign[s][i] = int8_t(2 * kLane[s] + ((i & 15) >= 8));
+        scale[s][i] = int8_t(i & 1 ? -128 : 2 * s + (i >= 16));
+      }
+  }
+};
+constexpr Patterns kPat;
+
+TF_TARGET_AVX2 inline __m256i pattern(const int8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 0xFF where a weight of sub-block s is negative.
+TF_TARGET_AVX2 inline __m256i neg_mask(__m256i signs, int s) {
+  const __m256i bits = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(signs, pattern(kPat.sign[s])), bits), bits);
+}
+
+// Magnitudes of one sub-block from its four index words (the 4 KB grid stays in L1; scalar
+// loads beat a gather, and movq + movhpd beat pinsrq).
+TF_TARGET_AVX2 inline __m256i grid32(const uint8_t* rec) {
+  const double* g = reinterpret_cast<const double*>(iq::kIq2xsGrid);
+  const uint64_t v = ld64(rec);
+  const __m128d lo = _mm_loadh_pd(_mm_load_sd(g + (v & 511)), g + ((v >> 16) & 511));
+  const __m128d hi = _mm_loadh_pd(_mm_load_sd(g + ((v >> 32) & 511)), g + ((v >> 48) & 511));
+  return _mm256_castpd_si256(_mm256_set_m128d(hi, lo));
+}
+
+TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
+  const __m256i signs = block_signs(b + 2);
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; ++s) {
+    const __m256i neg = neg_mask(signs, s);
+    const __m256i q = _mm256_sub_epi8(_mm256_xor_si256(grid32(b + 2 + 8 * s), neg), neg);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u->q + 32 * s), q);
+  }
+  const __m256i sc = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(block_scales(b + 66)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u->sc), sc);
+  u->d = _cvtsh_ss(ld16(b)) * 0.125f;
+}
+
+// GEMV / narrow GEMM without the decode buffer: per sub-block the grid magnitudes and the
+// signs are built once in registers, the signs go onto each column's activations and
+// maddubs(magnitude, signed x) feeds the integer sums directly.
+template <int NC>
+TF_TARGET_AVX2 inline void rows_fused(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_t r1,
+                                      const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
+  using detail::ActK;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* blk = w + size_t(r) * ws;
+    __m256 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, blk += kBytes) {
+      const __m256i signs = block_signs(blk + 2);
+      const __m256i scales = block_scales(blk + 66);
+      __m256i sum[NC];
+      for (int c = 0; c < NC; ++c) sum[c] = _mm256_setzero_si256();
+#pragma GCC unroll 8  // constant s: the shuffle patterns resolve at compile time
+      for (int s = 0; s < 8; ++s) {
+        const __m256i g = grid32(blk + 2 + 8 * s);
+        const __m256i neg = neg_mask(signs, s);
+        const __m256i sc = _mm256_shuffle_epi8(scales, pattern(kPat.scale[s]));
+        for (int c = 0; c < NC; ++c) {
+          const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * s));
+          const __m256i p = _mm256_maddubs_epi16(g, _mm256_sub_epi8(_mm256_xor_si256(x, neg), neg));
+          sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(p, sc));
+        }
+      }
+      const float d = _cvtsh_ss(ld16(blk));
+      for (int c = 0; c < NC; ++c) {
+        const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(d * a->d), acc[c]);
+      }
+    }
+    for (int c = 0; c < NC; ++c) y[c * ldy + r] = 0.125f * detail::hsum8_avx2(acc[c]);
+  }
+}
+
+// Up to kFusedCols columns: fused (decoding costs more than the dot here, so it is not
+// stored); wider: the shared driver, which decodes a block once for all columns.
+constexpr int64_t kFusedCols = 4;
+#endif
+}  // namespace
+
+// Same operation order as gguf.quants: db = d * (0.5 + u) * 0.25, then (db * grid) * sign.
+void dequantize_ref(const void* src, float* dst, int64_t n) {
+  const auto* p = static_cast<const uint8_t*>(src);
+  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
+    const float d = fp16_to_fp32(ld16(p));
+    for (int g = 0; g < 32; ++g) {
+      const int u = (p[66 + g / 4] >> (4 * ((g / 2) & 1))) & 0xF;
+      const float db = d * (0.5f + float(u)) * 0.25f;
+      const uint16_t v = ld16(p + 2 + 2 * g);
+      const uint8_t signs = iq::kSignsIq2xs[v >> 9];
+      const uint64_t grid = iq::kIq2xsGrid[v & 511];
+      for (int m = 0; m < 8; ++m) {
+        const float w = db * float((grid >> (8 * m)) & 0xFF);
+        dst[256 * b + 8 * g + m] = signs >> m & 1 ? -w : w;
+      }
+    }
+  }
+}
+
+void scalar(TF_MATMUL_PARAMS) { detail::matmul_d256_scalar<decode_scalar, kBytes>(TF_MATMUL_ARGS); }
+
+#if defined(TF_HAVE_X86_KERNELS)
+TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {
+  const int64_t nb = k / 256;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* xb = static_cast<const uint8_t*>(xq);
+  switch (ncols) {
+    case 1: return rows_fused<1>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
+    case 2: return rows_fused<2>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
+    case 3: return rows_fused<3>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
+    case 4: return rows_fused<4>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
+    default: return detail::matmul_d256_avx2<decode_avx2, kBytes>(TF_MATMUL_ARGS);
+  }
+}
+
+// AVX-512 CPUs: the fused AVX2 loop for narrow products (its cost is the decoding, which
+// 512-bit registers do not shorten), the shared AVX-512 driver over the AVX2 decoder for
+// wide ones.
+TF_TARGET_AVX512 void avx512(TF_MATMUL_PARAMS) {
+  if (ncols <= kFusedCols) return avx2(TF_MATMUL_ARGS);
+  detail::matmul_d256_avx512<decode_avx2, kBytes>(TF_MATMUL_ARGS);
+}
+#endif
+
+}  // namespace tf::cpu::iq2_xs

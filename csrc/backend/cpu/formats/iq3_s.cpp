@@ -1,0 +1,98 @@
+// IQ3_S: 256 weights per 110-byte block, eight sub-blocks of 32 —
+//   bytes   0..1    fp16 d
+//   bytes   2..65   qs: low 8 bits of a 9-bit index into kIq3sGrid (4 magnitudes, 1..15 odd)
+//                   per 4 weights; weight 4k + m is byte m of grid[qs[k] | hi(k) << 8]
+//   bytes  66..73   qh: bit k % 8 of byte k / 8 is hi(k), the index's 9th bit
+//   bytes  74..105  signs: bit i % 8 of byte i / 8 set = weight i negative
+//   bytes 106..109  scales: nibble s (low nibble first) is u of sub-block s
+// w = d * (1 + 2u) * grid * sign.
+#include "backend/cpu/decoded.h"
+#include "core/half.h"
+#include "quant/tables/iq_tables.h"
+
+namespace tf::cpu::iq3_s {
+
+namespace {
+constexpr size_t kBytes = 110;
+constexpr int kQs = 2, kQh = 66, kSigns = 74, kScales = 106;
+
+uint16_t ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t grid_entry(const uint8_t* b, int k) {
+  return iq::kIq3sGrid[b[kQs + k] | ((b[kQh + k / 8] >> (k % 8)) & 1) << 8];
+}
+
+inline int scale_u(const uint8_t* b, int s) { return (b[kScales + s / 2] >> (4 * (s % 2))) & 15; }
+
+void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
+  for (int k = 0; k < 64; ++k) {
+    const uint32_t g = grid_entry(b, k);
+    for (int m = 0; m < 4; ++m) {
+      const int i = 4 * k + m;
+      const int v = int((g >> (8 * m)) & 0xFF);
+      u->q[i] = int8_t((b[kSigns + i / 8] >> (i % 8)) & 1 ? -v : v);
+    }
+  }
+  for (int s = 0; s < 8; ++s) u->sc[2 * s] = u->sc[2 * s + 1] = int16_t(1 + 2 * scale_u(b, s));
+  u->d = fp16_to_fp32(ld16(b));
+}
+
+#if defined(TF_HAVE_X86_KERNELS)
+// Byte i of the result is 0xFF where bit i of the 32-bit word `bits` is set.
+TF_TARGET_AVX2 inline __m256i bit_mask32(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+  const __m256i w = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(w, select), select);
+}
+
+TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
+  const uint32_t* g = iq::kIq3sGrid;
+  for (int s = 0; s < 8; ++s) {
+    // Eight 9-bit indices: low bytes from one 64-bit load, the 9th bits from qh[s].
+    uint64_t lo;
+    std::memcpy(&lo, b + kQs + 8 * s, 8);
+    const unsigned hi = b[kQh + s];
+    auto idx = [&](int j) { return unsigned((lo >> (8 * j)) & 0xFF) | ((hi >> j) & 1u) << 8; };
+    const __m256i mag = _mm256_setr_epi32(int(g[idx(0)]), int(g[idx(1)]), int(g[idx(2)]), int(g[idx(3)]),
+                                          int(g[idx(4)]), int(g[idx(5)]), int(g[idx(6)]), int(g[idx(7)]));
+    uint32_t bits;
+    std::memcpy(&bits, b + kSigns + 4 * s, 4);
+    const __m256i neg = bit_mask32(bits);
+    // (mag ^ neg) - neg negates the bytes whose mask is 0xFF.
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u->q + 32 * s),
+                       _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg));
+  }
+  for (int s = 0; s < 8; ++s) u->sc[2 * s] = u->sc[2 * s + 1] = int16_t(1 + 2 * scale_u(b, s));
+  u->d = _cvtsh_ss(ld16(b));
+}
+#else
+constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
+#endif
+}  // namespace
+
+// Same operation order as gguf.quants: db = d * (1 + 2u), then (db * grid) * sign.
+void dequantize_ref(const void* src, float* dst, int64_t n) {
+  const auto* p = static_cast<const uint8_t*>(src);
+  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
+    const float d = fp16_to_fp32(ld16(p));
+    for (int k = 0; k < 64; ++k) {
+      const float db = d * float(1 + 2 * scale_u(p, k / 8));
+      const uint32_t g = grid_entry(p, k);
+      for (int m = 0; m < 4; ++m) {
+        const int i = 4 * k + m;
+        const float v = db * float((g >> (8 * m)) & 0xFF);
+        dst[256 * b + i] = (p[kSigns + i / 8] >> (i % 8)) & 1 ? -v : v;
+      }
+    }
+  }
+}
+
+}  // namespace tf::cpu::iq3_s
+
+TF_DECODED_KERNELS(iq3_s, 256, kBytes, decode_scalar, decode_avx2)

@@ -1,0 +1,231 @@
+// IQ3_XXS: 256 weights per 98-byte block, eight sub-blocks of 32 —
+//   bytes  0..1   fp16 d
+//   bytes  2..65  qs: one 8-bit index into kIq3xxsGrid (4 magnitudes, 4..62) per 4 weights;
+//                 weight 32s + 4j + m is byte m of grid[qs[8s + j]]
+//   bytes 66..97  eight little-endian uint32, one per sub-block s: bits 7l..7l+6 (l = 0..3)
+//                 select kSignsIq2xs[] (7 sign bits + the parity bit) for weights 32s+8l ..
+//                 32s+8l+7, bit m set = weight 32s+8l+m negative; bits 28..31 the scale u
+// w = d * (0.5 + u) * 0.5 * grid * sign = (d/4) * (2u + 1) * (±grid).
+#include "backend/cpu/decoded.h"
+#include "core/half.h"
+#include "quant/tables/iq_tables.h"
+
+namespace tf::cpu::iq3_xxs {
+
+namespace {
+constexpr size_t kBytes = 98;
+
+uint16_t ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+uint32_t ld32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
+  for (int s = 0; s < 8; ++s) {
+    const uint32_t aux = ld32(b + 66 + 4 * s);
+    u->sc[2 * s] = u->sc[2 * s + 1] = int16_t(2 * (aux >> 28) + 1);
+    for (int l = 0; l < 4; ++l) {
+      const uint8_t signs = iq::kSignsIq2xs[(aux >> (7 * l)) & 127];
+      for (int m = 0; m < 8; ++m) {
+        const int g = int((iq::kIq3xxsGrid[b[2 + 8 * s + 2 * l + m / 4]] >> (8 * (m % 4))) & 0xFF);
+        u->q[32 * s + 8 * l + m] = int8_t(signs >> m & 1 ? -g : g);
+      }
+    }
+  }
+  u->d = fp16_to_fp32(ld16(b)) * 0.25f;  // exact: a power of two on a float32 from an fp16
+}
+
+#if defined(TF_HAVE_X86_KERNELS)
+// Magnitudes of sub-block s: eight grid words (the grid is 1 KB and stays in L1; a gather is
+// slower than eight scalar loads on current x86 cores).
+// Magnitudes of sub-block s: eight grid words from the 1 KB grid (L1-resident). The eight
+// indices come from one 64-bit load (ALU byte extracts are cheaper than eight byte loads
+// here, which compete with the grid loads), and scalar loads beat a gather on current x86.
+TF_TARGET_AVX2 inline __m256i grid32(const uint8_t* qs) {
+  const uint32_t* g = iq::kIq3xxsGrid;
+  uint64_t v;
+  std::memcpy(&v, qs, 8);
+  return _mm256_set_epi32(int(g[v >> 56]), int(g[(v >> 48) & 255]), int(g[(v >> 40) & 255]),
+                          int(g[(v >> 32) & 255]), int(g[(v >> 24) & 255]), int(g[(v >> 16) & 255]),
+                          int(g[(v >> 8) & 255]), int(g[v & 255]));
+}
+
+// The eight sub-blocks' sign words: dword s holds, in byte l, the 7 sign bits of group l of
+// sub-block s plus their parity in bit 7 (what kSignsIq2xs[] tabulates), computed for all
+// sub-blocks at once instead of 32 table look-ups.
+TF_TARGET_AVX2 inline __m256i sign_words(__m256i aux) {
+  __m256i t = _mm256_and_si256(aux, _mm256_set1_epi32(0x7F));
+  t = _mm256_or_si256(t, _mm256_and_si256(_mm256_slli_epi32(aux, 1), _mm256_set1_epi32(0x7F00)));
+  t = _mm256_or_si256(t, _mm256_and_si256(_mm256_slli_epi32(aux, 2), _mm256_set1_epi32(0x7F0000)));
+  t = _mm256_or_si256(t, _mm256_and_si256(_mm256_slli_epi32(aux, 3), _mm256_set1_epi32(0x7F000000)));
+  // bit 7 of each byte <- xor of its bits 0..6 (shifts by 4, 2, 1 stay inside the byte there)
+  __m256i p = _mm256_xor_si256(t, _mm256_slli_epi32(t, 4));
+  p = _mm256_xor_si256(p, _mm256_slli_epi32(p, 2));
+  p = _mm256_xor_si256(p, _mm256_slli_epi32(p, 1));
+  return _mm256_or_si256(t, _mm256_and_si256(p, _mm256_set1_epi32(int(0x80808080u))));
+}
+
+// Per-sub-block byte shuffles of a vector whose two 128-bit halves both hold the dwords of
+// sub-blocks 4h .. 4h+3 (so one in-lane shuffle replaces a cross-lane permute + shuffle):
+// kSpread[t] spreads byte l of dword t over bytes 8l..8l+7, kBcast16[t] repeats its low
+// 16 bits.
+alignas(32) constexpr uint8_t kSpread[4][32] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9, 10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13, 14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
+};
+alignas(32) constexpr uint8_t kBcast16[4][32] = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13},
+};
+
+TF_TARGET_AVX2 inline __m256i lane_dup(__m256i v, int h) {
+  return h == 0 ? _mm256_permute2x128_si256(v, v, 0x00) : _mm256_permute2x128_si256(v, v, 0x11);
+}
+
+// Sign operand for _mm256_sign_epi8 for the 32 weights of sub-block 4h+t, from
+// lane_dup(sign_words, h): byte 8l+m tests bit m of byte l; (bit ? 2^m : 0) + 127 is
+// negative exactly when the bit is set and never 0.
+TF_TARGET_AVX2 inline __m256i signs32(__m256i words_h, int t) {
+  const __m256i bits = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+  const __m256i w = _mm256_shuffle_epi8(words_h, _mm256_load_si256(reinterpret_cast<const __m256i*>(kSpread[t])));
+  return _mm256_add_epi8(_mm256_and_si256(w, bits), _mm256_set1_epi8(127));
+}
+
+// Sub-block scales 2u+1, one per dword.
+TF_TARGET_AVX2 inline __m256i scale_words(__m256i aux) {
+  return _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(aux, 28), 1), _mm256_set1_epi32(1));
+}
+
+// Scale of sub-block 4h+t in every 16-bit lane, from lane_dup(scale_words, h).
+TF_TARGET_AVX2 inline __m256i scale16(__m256i scales_h, int t) {
+  return _mm256_shuffle_epi8(scales_h, _mm256_load_si256(reinterpret_cast<const __m256i*>(kBcast16[t])));
+}
+
+TF_TARGET_AVX2 inline __m256i load_aux(const uint8_t* b) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 66));
+}
+
+TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
+  const __m256i aux = load_aux(b);
+  const __m256i words = sign_words(aux);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i wh = lane_dup(words, h);
+    for (int t = 0; t < 4; ++t) {
+      const int s = 4 * h + t;
+      const __m256i q = _mm256_sign_epi8(grid32(b + 2 + 8 * s), signs32(wh, t));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u->q + 32 * s), q);
+    }
+  }
+  const __m256i sc = scale_words(aux);  // dword s = 2u+1 = sc[2s] (low half) = sc[2s+1]
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u->sc), _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
+  u->d = _cvtsh_ss(ld16(b)) * 0.25f;
+}
+
+// GEMV / narrow GEMM without the decode buffer: per sub-block the grid magnitudes and the
+// signs are built once in registers, the signs go onto each column's activations and
+// maddubs(magnitude, signed x) feeds the integer sums directly.
+template <int NC>
+TF_TARGET_AVX2 inline void rows_fused(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_t r1,
+                                      const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
+  using detail::ActK;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* blk = w + size_t(r) * ws;
+    __m256 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, blk += kBytes) {
+      if (NC == 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(blk + detail::kDecodedPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + detail::kDecodedPrefetch + 64), _MM_HINT_T0);
+      }
+      const __m256i aux = load_aux(blk);
+      const __m256i words = sign_words(aux), scales = scale_words(aux);
+      __m256i sum[NC];
+      for (int c = 0; c < NC; ++c) sum[c] = _mm256_setzero_si256();
+      for (int h = 0; h < 2; ++h) {
+        const __m256i wh = lane_dup(words, h), sh = lane_dup(scales, h);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          const int s = 4 * h + t;
+          const __m256i g = grid32(blk + 2 + 8 * s);
+          const __m256i sg = signs32(wh, t);
+          const __m256i sc = scale16(sh, t);
+          for (int c = 0; c < NC; ++c) {
+            const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * s));
+            const __m256i p = _mm256_maddubs_epi16(g, _mm256_sign_epi8(x, sg));
+            sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(p, sc));
+          }
+        }
+      }
+      const float d = _cvtsh_ss(ld16(blk));
+      for (int c = 0; c < NC; ++c) {
+        const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(d * a->d), acc[c]);
+      }
+    }
+    for (int c = 0; c < NC; ++c) y[c * ldy + r] = 0.25f * detail::hsum8_avx2(acc[c]);
+  }
+}
+
+// Up to kFusedCols columns: fused (decoding costs more than the dot here, so it is not
+// stored); wider: the shared driver, which decodes a block once for all columns.
+constexpr int64_t kFusedCols = 4;
+#endif
+}  // namespace
+
+// Same operation order as gguf.quants: db = d * (0.5 + u) * 0.5, then (db * grid) * sign.
+void dequantize_ref(const void* src, float* dst, int64_t n) {
+  const auto* p = static_cast<const uint8_t*>(src);
+  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
+    const float d = fp16_to_fp32(ld16(p));
+    for (int s = 0; s < 8; ++s) {
+      const uint32_t aux = ld32(p + 66 + 4 * s);
+      const float db = d * (0.5f + float(aux >> 28)) * 0.5f;
+      for (int l = 0; l < 4; ++l) {
+        const uint8_t signs = iq::kSignsIq2xs[(aux >> (7 * l)) & 127];
+        for (int m = 0; m < 8; ++m) {
+          const float g = float((iq::kIq3xxsGrid[p[2 + 8 * s + 2 * l + m / 4]] >> (8 * (m % 4))) & 0xFF);
+          const float v = db * g;
+          dst[256 * b + 32 * s + 8 * l + m] = signs >> m & 1 ? -v : v;
+        }
+      }
+    }
+  }
+}
+
+void scalar(TF_MATMUL_PARAMS) { detail::matmul_d256_scalar<decode_scalar, kBytes>(TF_MATMUL_ARGS); }
+
+#if defined(TF_HAVE_X86_KERNELS)
+TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {
+  const int64_t nb = k / 256;
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* xb = static_cast<const uint8_t*>(xq);
+  switch (ncols) {
+    case 1: return rows_fused<1>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
+    case 2: return rows_fused<2>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
+    case 3: return rows_fused<3>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
+    case 4: return rows_fused<4>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
+    default: return detail::matmul_d256_avx2<decode_avx2, kBytes>(TF_MATMUL_ARGS);
+  }
+}
+
+// AVX-512 CPUs: the fused AVX2 loop for narrow products (its cost is the decoding, which
+// 512-bit registers do not shorten), the shared AVX-512 driver over the AVX2 decoder for
+// wide ones.
+TF_TARGET_AVX512 void avx512(TF_MATMUL_PARAMS) {
+  if (ncols <= kFusedCols) return avx2(TF_MATMUL_ARGS);
+  detail::matmul_d256_avx512<decode_avx2, kBytes>(TF_MATMUL_ARGS);
+}
+#endif
+
+}  // namespace tf::cpu::iq3_xxs
