@@ -5,6 +5,7 @@
     python bench/make_synthetic_moe.py -o /tmp/synth-moe.gguf --size-gb 3
     python bench/make_synthetic_moe.py -o /tmp/x.gguf --layers 4 --hidden 1024 --experts 16 \\
         --used 4 --expert-ff 512 --heads 8 --kv-heads 2 --vocab 8000
+    python bench/make_synthetic_moe.py -o /tmp/synth-moe-f16.gguf --outtype f16   # ~4 GB, F16
 
 The default shape follows Qwen3-30B-A3B (hidden 2048, 32 query / 4 KV heads of 128, expert
 width 768, q/k norms) with 64 routed experts, top-8, a 32000-token vocabulary, and as many
@@ -15,6 +16,11 @@ The type mix is that of real low-bit MoE checkpoints (--mix):
     q3k (like Q3_K_M):         expert gate/up Q3_K, expert down Q4_K
     always:                    attention q/k/v/o Q4_K, token_embd Q4_K, output Q6_K,
                                norms and router (ffn_gate_inp) F32
+
+--outtype f16 instead writes every weight matrix in F16 (norms and router F32, as llama.cpp's
+converter does), default --size-gb 4 (6 layers): the input for llama.cpp's own quantizer
+(bench/make_quantized_moe.py), whose Q2_K … IQ4_XS outputs are then 0.5-1.1 GB, several times
+the L3. F16 values are fresh random normals for every row (no pool; ~1 min for 4 GB).
 
 Weights are random normals (std 0.02; norms 1 + 0.02 N(0,1)) quantized with TensorFold's own
 quantizers (tensorfold._core.quantize). Quantizing 1.5 G values at ~7 M/s/thread would take
@@ -38,13 +44,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 # ggml type ids (csrc/quant/traits, gguf.GGMLQuantizationType)
-F32, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 0, 10, 11, 12, 13, 14
+F32, F16, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 0, 1, 10, 11, 12, 13, 14
 QK_K = 256
 BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
-TYPE_NAME = {F32: "F32", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+TYPE_NAME = {F32: "F32", F16: "F16", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 # llama_ftype values for general.file_type
-FTYPE = {"q2k": 10, "q3k": 12}  # MOSTLY_Q2_K, MOSTLY_Q3_K_M
+FTYPE = {"q2k": 10, "q3k": 12, "f16": 1}  # MOSTLY_Q2_K, MOSTLY_Q3_K_M, MOSTLY_F16
 MIX = {"q2k": (Q2_K, Q3_K), "q3k": (Q3_K, Q4_K)}  # (expert gate/up, expert down)
+DEFAULT_SIZE_GB = {"mix": 1.5, "f16": 4.0}
 HEAD_DIM = 128
 W_STD = 0.02
 
@@ -52,6 +59,8 @@ W_STD = 0.02
 def row_bytes(t: int, n: int) -> int:
     if t == F32:
         return 4 * n
+    if t == F16:
+        return 2 * n
     assert n % QK_K == 0, f"row length {n} is not a multiple of {QK_K} ({TYPE_NAME[t]})"
     return n // QK_K * BLOCK_BYTES[t]
 
@@ -61,21 +70,23 @@ class Shape:
         self.layers = a.layers
         self.hidden, self.experts, self.used = a.hidden, a.experts, a.used
         self.expert_ff, self.heads, self.kv_heads, self.vocab = a.expert_ff, a.heads, a.kv_heads, a.vocab
-        self.gate_up_t, self.down_t = MIX[a.mix]
+        self.f16 = a.outtype == "f16"
+        self.gate_up_t, self.down_t = (F16, F16) if self.f16 else MIX[a.mix]
 
     def tensors(self):
         """(name, ggml shape [ne0, ne1, ...], type) in file order."""
         h, q, kv, f, e = (self.hidden, self.heads * HEAD_DIM, self.kv_heads * HEAD_DIM,
                           self.expert_ff, self.experts)
-        out = [("token_embd.weight", [h, self.vocab], Q4_K)]
+        att, emb, head = (F16, F16, F16) if self.f16 else (Q4_K, Q4_K, Q6_K)
+        out = [("token_embd.weight", [h, self.vocab], emb)]
         for i in range(self.layers):
             p = f"blk.{i}."
             out += [
                 (p + "attn_norm.weight", [h], F32),
-                (p + "attn_q.weight", [h, q], Q4_K),
-                (p + "attn_k.weight", [h, kv], Q4_K),
-                (p + "attn_v.weight", [h, kv], Q4_K),
-                (p + "attn_output.weight", [q, h], Q4_K),
+                (p + "attn_q.weight", [h, q], att),
+                (p + "attn_k.weight", [h, kv], att),
+                (p + "attn_v.weight", [h, kv], att),
+                (p + "attn_output.weight", [q, h], att),
                 (p + "attn_q_norm.weight", [HEAD_DIM], F32),
                 (p + "attn_k_norm.weight", [HEAD_DIM], F32),
                 (p + "ffn_norm.weight", [h], F32),
@@ -84,7 +95,7 @@ class Shape:
                 (p + "ffn_up_exps.weight", [h, f, e], self.gate_up_t),
                 (p + "ffn_down_exps.weight", [f, h, e], self.down_t),
             ]
-        out += [("output_norm.weight", [h], F32), ("output.weight", [h, self.vocab], Q6_K)]
+        out += [("output_norm.weight", [h], F32), ("output.weight", [h, self.vocab], head)]
         return out
 
     def nbytes(self) -> int:
@@ -169,7 +180,23 @@ class RowSource:
         self.quantized_values += rows * n
         return np.concatenate(parts)
 
+    def f16_rows(self, n: int, count: int) -> np.ndarray:
+        """`count` fresh random-normal rows of length n in F16 (chunks of ~4 M on `threads` threads)."""
+        per = max(1, (4 << 20) // n)
+        seeds = self.rng.integers(0, 2**63, size=(count + per - 1) // per)
+
+        def chunk(k: int) -> np.ndarray:
+            r = min(per, count - k * per)
+            x = np.random.default_rng(seeds[k]).standard_normal(r * n, dtype=np.float32)
+            x *= W_STD
+            return x.astype(np.float16).reshape(r, n)
+
+        with ThreadPoolExecutor(self.threads) as ex:
+            return np.concatenate(list(ex.map(chunk, range(len(seeds)))))
+
     def rows(self, t: int, n: int, count: int) -> np.ndarray:
+        if t == F16:
+            return self.f16_rows(n, count)
         if self.pool_rows <= 0:
             return self._quantize_rows(t, n, count)
         key = (t, n)
@@ -181,20 +208,24 @@ class RowSource:
 def write(a: argparse.Namespace) -> None:
     import gguf
 
-    from tensorfold import _core  # noqa: F401  (fail before creating the file)
-
     shape = Shape(a)
+    if not shape.f16:
+        from tensorfold import _core  # noqa: F401  (fail before creating the file)
+
     specs = shape.tensors()
     total = shape.nbytes()
     arch = "qwen3moe"
+    mix = "f16" if shape.f16 else a.mix
     print(f"{a.output}: qwen3moe, {shape.layers} layers, hidden {shape.hidden}, heads "
           f"{shape.heads}/{shape.kv_heads}x{HEAD_DIM}, {shape.experts} experts top-{shape.used} "
-          f"width {shape.expert_ff}, vocab {shape.vocab}, mix {a.mix}: {total / 1e9:.2f} GB of weights")
+          f"width {shape.expert_ff}, vocab {shape.vocab}, {'F16' if shape.f16 else 'mix ' + mix}: "
+          f"{total / 1e9:.2f} GB of weights")
 
     w = gguf.GGUFWriter(a.output, arch)
     w.add_name(f"synthetic-qwen3moe-{shape.layers}L-{shape.experts}x{shape.used}")
-    w.add_description("random-normal weights quantized by TensorFold (bench/make_synthetic_moe.py)")
-    w.add_file_type(FTYPE[a.mix])
+    w.add_description("random-normal weights in F16 (bench/make_synthetic_moe.py --outtype f16)" if shape.f16
+                      else "random-normal weights quantized by TensorFold (bench/make_synthetic_moe.py)")
+    w.add_file_type(FTYPE[mix])
     w.add_quantization_version(2)
     w.add_context_length(a.context)
     w.add_embedding_length(shape.hidden)
@@ -225,6 +256,8 @@ def write(a: argparse.Namespace) -> None:
         np_shape = list(reversed(s))
         if t == F32:
             w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * int(np.prod(s)))
+        elif t == F16:
+            w.add_tensor_info(name, np_shape, np.dtype(np.float16), 2 * int(np.prod(s)))
         else:
             np_shape[-1] = row_bytes(t, s[0])
             nb = int(np.prod(np_shape, dtype=np.int64))
@@ -256,8 +289,8 @@ def write(a: argparse.Namespace) -> None:
         print()
     size = os.path.getsize(a.output)
     print(f"wrote {a.output}: {size / 1e9:.3f} GB ({size / 2**20:.0f} MiB), {len(specs)} tensors, "
-          f"{src.quantized_values / 1e6:.0f} M values quantized"
-          f"{f' (pools of {a.pool_rows} rows)' if a.pool_rows > 0 else ''}, "
+          + ("F16 random normals" if shape.f16 else f"{src.quantized_values / 1e6:.0f} M values quantized"
+             f"{f' (pools of {a.pool_rows} rows)' if a.pool_rows > 0 else ''}") + ", "
           f"{time.perf_counter() - t0:.0f} s")
     by_type: dict[str, int] = {}
     for name, s, t in specs:
@@ -269,8 +302,9 @@ def write(a: argparse.Namespace) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--output", required=True, help="GGUF path to write (put it under /tmp)")
-    ap.add_argument("--size-gb", type=float, default=1.5,
-                    help="target size in GB (1e9 bytes); picks --layers when it is not given")
+    ap.add_argument("--size-gb", type=float, default=None,
+                    help="target size in GB (1e9 bytes); picks --layers when it is not given "
+                         "(default 1.5, or 4 with --outtype f16)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--experts", type=int, default=64)
@@ -281,6 +315,9 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--context", type=int, default=32768, help="context_length metadata")
     ap.add_argument("--mix", choices=sorted(MIX), default="q2k", help="expert quant mix (see above)")
+    ap.add_argument("--outtype", choices=("mix", "f16"), default="mix",
+                    help="mix: TensorFold-quantized low-bit mix (--mix); f16: every weight matrix F16, "
+                         "for llama.cpp's quantizer (bench/make_quantized_moe.py)")
     ap.add_argument("--pool-rows", type=int, default=8192,
                     help="distinct quantized rows per (type, row length); 0: quantize every row")
     ap.add_argument("--threads", type=int, default=2, help="quantization threads")
@@ -294,6 +331,8 @@ def main() -> int:
         ap.error("--heads must be a multiple of --kv-heads")
     if not 0 < a.used <= a.experts:
         ap.error("--used must be in 1..--experts")
+    if a.size_gb is None:
+        a.size_gb = DEFAULT_SIZE_GB[a.outtype]
     if a.layers is None:
         a.layers = pick_layers(a)
     if a.layers < 1:

@@ -170,7 +170,8 @@ def write_full(path) -> tuple[str, dict]:
             ("t.q8_0", QT.Q8_0, (3, 32)),
             ("t.q4_k", QT.Q4_K, (1, 256)),
             ("t.q6_k", QT.Q6_K, (2, 1, 256)),
-            ("t.iq2_xxs", QT.IQ2_XXS, (1, 256)),  # known layout, no kernels: opens, unsupported
+            ("t.iq2_xxs", QT.IQ2_XXS, (1, 256)),
+            ("t.nvfp4", QT.NVFP4, (1, 64)),  # known layout, no kernels: opens, unsupported
         ]
         for name, qt, shape in specs:
             bs, ts = gguf.GGML_QUANT_SIZES[qt]
@@ -315,7 +316,8 @@ def test_all_value_types_and_tensors(tmp_path):
     assert ts["t.f32"]["shape"] == [5, 3] and ts["t.f32"]["type"] == "F32"
     assert ts["t.q6_k"]["shape"] == [256, 1, 2] and ts["t.q6_k"]["type"] == "Q6_K"
     assert ts["t.q4_k"]["supported"] is True
-    assert ts["t.iq2_xxs"]["supported"] is False and ts["t.iq2_xxs"]["type"] == "IQ2_XXS"
+    assert ts["t.iq2_xxs"]["supported"] is True and ts["t.iq2_xxs"]["type"] == "IQ2_XXS"
+    assert ts["t.nvfp4"]["supported"] is False and ts["t.nvfp4"]["type"] == "NVFP4"
     for name, data in tensors.items():
         t = ts[name]
         assert t["nbytes"] == len(data)

@@ -154,6 +154,7 @@ py::dict tensor_to_py(const GgufTensorInfo& t) {
   for (int64_t n : t.ne) shape.append(n);
   d["shape"] = shape;
   d["offset"] = t.offset;
+  d["part"] = t.part;
   d["nbytes"] = t.nbytes;
   d["supported"] = t.type_supported;
   return d;
@@ -250,7 +251,23 @@ void bind_gguf(py::module_& m) {
            py::arg("path"))
       .def_property_readonly("path", [](const GgufFile& f) { return path_to_py(f.path()); })
       .def_property_readonly("version", &GgufFile::version)
-      .def_property_readonly("file_size", &GgufFile::file_size)
+      .def_property_readonly("file_size", &GgufFile::file_size, "Bytes of all parts together.")
+      .def_property_readonly(
+          "parts",
+          [](const GgufFile& f) {
+            py::list out;
+            for (const GgufPart& p : f.parts()) {
+              py::dict d;
+              d["path"] = path_to_py(p.path);
+              d["size"] = p.size;
+              d["data_offset"] = p.data_offset;
+              d["n_tensors"] = p.n_tensors;
+              out.append(d);
+            }
+            return out;
+          },
+          "The files of the model in split order (one for an unsplit file): path, size, "
+          "data_offset, n_tensors.")
       .def_property_readonly("data_offset", &GgufFile::data_offset)
       .def_property_readonly("alignment", &GgufFile::alignment)
       .def("metadata",
@@ -307,8 +324,9 @@ void bind_gguf(py::module_& m) {
              for (const auto& t : f.tensors()) out.append(tensor_to_py(t));
              return out;
            },
-           "Tensor infos in file order: name, type, type_id, shape (ne[0] first), offset "
-           "(absolute), nbytes, supported.")
+           "Tensor infos in file order (split models: part by part): name, type, type_id, "
+           "shape (ne[0] first), offset (absolute, in its part's file), part (index into "
+           "parts), nbytes, supported.")
       .def("tensor",
            [](const GgufFile& f, const std::string& name) {
              const GgufTensorInfo* t = f.find_tensor(name);
@@ -331,7 +349,9 @@ void bind_gguf(py::module_& m) {
       .def("__repr__", [](const GgufFile& f) {
         return str_to_py("<GgufFile '" + f.display_path() + "' v" + std::to_string(f.version()) +
                          ", " + std::to_string(f.tensors().size()) + " tensors, " +
-                         std::to_string(f.metadata().size()) + " keys>");
+                         std::to_string(f.metadata().size()) + " keys" +
+                         (f.parts().size() > 1 ? ", " + std::to_string(f.parts().size()) + " parts" : "") +
+                         ">");
       });
 }
 

@@ -10,6 +10,9 @@
 // Nothing read from the file is trusted: every length is checked against the bytes that remain
 // before anything is allocated or dereferenced, and every error names the file, the problem and
 // where it is (byte offset, key or tensor).
+//
+// Split models: open_one() parses and validates one file; open_split() finds, opens and
+// validates the other parts and merges their tensor tables into the first part's object.
 #include "gguf/gguf_reader.h"
 
 #include <fcntl.h>

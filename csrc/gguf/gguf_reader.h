@@ -12,6 +12,13 @@
 // check_unchanged() fstat()s it — a cheap syscall — so a long-lived user (the engine, between
 // requests) can refuse to go on once the file shrank or was rewritten in place. Replacing the
 // file by rename is safe: the mapping keeps the old inode alive.
+//
+// Split models (llama.cpp's gguf-split): NAME-00001-of-0000N.gguf ... NAME-0000N-of-0000N.gguf,
+// each a complete GGUF carrying split.no (0-based), split.count and split.tensors.count; the
+// first part holds the model's metadata, every part its own tensors. open() on any part's path
+// finds the siblings by that naming pattern, validates each part as a file of its own and the
+// set as a whole (count, numbering, no duplicate tensor, the announced total), and presents one
+// model: part 1's metadata, all parts' tensors, each tensor's data in its own part's mapping.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -54,39 +61,58 @@ struct GgufValue {
 
 struct GgufTensorInfo {
   std::string name;
+  uint32_t part = 0;                 // split models: the part holding the data (0: first)
   uint32_t type_id = 0;
   bool type_supported = false;       // traits known and kernels exist
   std::vector<int64_t> ne;           // ggml order: ne[0] is the contiguous (row) dimension
-  uint64_t offset = 0;               // from the start of the file
+  uint64_t offset = 0;               // from the start of its part's file
   uint64_t nbytes = 0;
-  const uint8_t* data = nullptr;     // into the mapping
+  const uint8_t* data = nullptr;     // into its part's mapping
   GgmlType type() const { return static_cast<GgmlType>(type_id); }
   int64_t n_elements() const;
+};
+
+// One file of a (possibly split) model: mapped read-only, kept open for check_unchanged().
+struct GgufPart {
+  std::string path, shown;           // shown: printable form for messages
+  const uint8_t* base = nullptr;     // the whole file, mapped
+  uint64_t size = 0, data_offset = 0;
+  uint64_t n_tensors = 0;            // tensors whose data this part holds
+  int fd = -1;
+  int64_t mtime_sec = 0, mtime_nsec = 0;
 };
 
 class GgufFile {
  public:
   // Maps and validates the whole header; throws tf::Error on any problem. Anything but a
-  // regular file (FIFO, socket, device, directory) is refused before it is read.
+  // regular file (FIFO, socket, device, directory) is refused before it is read. A part of a
+  // split model opens the whole model (see the header comment).
   static std::shared_ptr<GgufFile> open(const std::string& path);
   ~GgufFile();
   GgufFile(const GgufFile&) = delete;
   GgufFile& operator=(const GgufFile&) = delete;
 
-  const std::string& path() const { return path_; }
+  // The (first part's) path; metadata and header offsets below refer to that file.
+  const std::string& path() const { return parts_[0].path; }
   // The path for messages: invalid UTF-8 bytes escaped, so messages always decode.
-  const std::string& display_path() const { return shown_; }
+  const std::string& display_path() const { return parts_[0].shown; }
   uint32_t version() const { return version_; }
-  uint64_t file_size() const { return size_; }
-  uint64_t data_offset() const { return data_offset_; }
+  // Bytes of all parts together.
+  uint64_t file_size() const { return total_size_; }
+  uint64_t data_offset() const { return parts_[0].data_offset; }
   uint64_t alignment() const { return alignment_; }
-  const uint8_t* base() const { return base_; }
-  // Random-access hint for the whole mapping: no read-ahead and no fault-around, so a
-  // process that reads only some tensor ranges (a TP rank) maps only the pages it touches.
+  const uint8_t* base() const { return parts_[0].base; }
+  // Every file of the model, in split order (one entry for an unsplit file).
+  const std::vector<GgufPart>& parts() const { return parts_; }
+  // The part whose mapping holds the bytes [p, p + n), and p's offset in that file (for
+  // reading them with pread); throws when they are not inside one mapping.
+  std::pair<const GgufPart*, uint64_t> locate(const uint8_t* p, uint64_t n) const;
+  // Random-access hint for every mapping: no read-ahead and no fault-around, so a process
+  // that reads only some tensor ranges (a TP rank) maps only the pages it touches.
   void advise_random() const;
-  // Throws tf::Error (InvalidInput) when the file under the mapping shrank or was modified
+  // Throws tf::Error (InvalidInput) when a file under the mappings shrank or was modified
   // since open (size or mtime differ): reading it further could SIGBUS or give other bytes
-  // than were validated. One fstat(); meant to be called between requests.
+  // than were validated. One fstat() per part; meant to be called between requests.
   void check_unchanged() const;
 
   const std::vector<std::pair<std::string, GgufValue>>& metadata() const { return kv_; }
@@ -114,12 +140,13 @@ class GgufFile {
 
  private:
   GgufFile() = default;
-  std::string path_, shown_;
+  // One file, parsed and validated on its own (split.* keys not followed).
+  static std::shared_ptr<GgufFile> open_one(const std::string& path);
+  // Opens the other parts of the split model `f` belongs to and returns the whole model.
+  static std::shared_ptr<GgufFile> open_split(std::shared_ptr<GgufFile> f);
   uint32_t version_ = 0;
-  uint64_t size_ = 0, data_offset_ = 0, alignment_ = 32;
-  const uint8_t* base_ = nullptr;
-  int fd_ = -1;                      // kept open for check_unchanged()
-  int64_t mtime_sec_ = 0, mtime_nsec_ = 0;
+  uint64_t alignment_ = 32, total_size_ = 0;
+  std::vector<GgufPart> parts_;      // owns every mapping and descriptor
   std::vector<std::pair<std::string, GgufValue>> kv_;
   std::vector<GgufTensorInfo> tensors_;
   // Name -> index; views into kv_ / tensors_, which never reallocate after open.

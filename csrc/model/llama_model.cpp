@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -28,7 +29,30 @@ std::string shape_str(const std::vector<int64_t>& ne) {
 }
 }  // namespace
 
-Weight LlamaModel::load_weight(const std::string& name, int64_t k, int64_t rows, bool required) {
+namespace {
+// A tensor TensorFold cannot multiply with: the traits table's message (it lists the
+// supported types), prefixed with the file and tensor.
+[[noreturn]] void not_computable(const GgufFile& f, const GgufTensorInfo& t) {
+  try {
+    type_traits(t.type());
+  } catch (const Error& e) {
+    fail(ErrorKind::Unsupported, f.display_path(), ": tensor ", t.name, ": ", e.what());
+  }
+  fail(ErrorKind::Unsupported, f.display_path(), ": tensor ", t.name, " has type ",
+       type_name(t.type_id) ? type_name(t.type_id) : "?", " which TensorFold cannot compute with");
+}
+
+// The reference dequantization of a tensor's type; throws naming the tensor when it has none.
+void (*dequant_of(const GgufFile& f, const GgufTensorInfo& t))(const void*, float*, int64_t) {
+  const TypeTraits* tr = find_type_traits(t.type_id);
+  if (!tr || !tr->dequantize_ref)
+    fail(ErrorKind::Unsupported, f.display_path(), ": tensor ", t.name, " has type ",
+         tr ? tr->name : "?", " which TensorFold cannot read (no dequantization for it)");
+  return tr->dequantize_ref;
+}
+}  // namespace
+
+Weight LlamaModel::load_weight(const std::string& name, int64_t k, int64_t rows, bool required, bool compute) {
   const GgufTensorInfo* t = file_->find_tensor(name);
   if (!t) {
     if (required) fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " is missing");
@@ -37,13 +61,11 @@ Weight LlamaModel::load_weight(const std::string& name, int64_t k, int64_t rows,
   if (t->ne.size() != 2 || t->ne[0] != k || t->ne[1] != rows)
     fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " has shape ", shape_str(t->ne),
          ", expected [", k, ", ", rows, "]");
-  if (!t->type_supported)
-    fail(ErrorKind::Unsupported, file_->display_path(), ": tensor ", name, " has type ",
-         type_name(t->type_id) ? type_name(t->type_id) : "?",
-         " which TensorFold cannot compute with yet (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, "
-         "Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K); re-quantize the model to one of these");
+  if (compute && !t->type_supported) not_computable(*file_, *t);
+  if (!compute) dequant_of(*file_, *t);
   Weight w;
   w.type = t->type();
+  if (compute) w.layout = cpu::act_layout(w.type);
   w.k = k;
   w.rows = rows;
   w.data = t->data;
@@ -58,11 +80,10 @@ ExpertWeight LlamaModel::load_experts(const std::string& name, int64_t k, int64_
   if (t->ne.size() != 3 || t->ne[0] != k || t->ne[1] != rows || t->ne[2] != n_expert)
     fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " has shape ", shape_str(t->ne),
          ", expected [", k, ", ", rows, ", ", n_expert, "]");
-  if (!t->type_supported)
-    fail(ErrorKind::Unsupported, file_->display_path(), ": tensor ", name, " has type ",
-         type_name(t->type_id) ? type_name(t->type_id) : "?", " which TensorFold cannot compute with yet");
+  if (!t->type_supported) not_computable(*file_, *t);
   ExpertWeight w;
   w.first.type = t->type();
+  w.first.layout = cpu::act_layout(w.first.type);
   w.first.k = k;
   w.first.rows = rows;
   w.first.data = t->data;
@@ -93,16 +114,21 @@ const float* LlamaModel::load_vector(const std::string& name, int64_t n, bool re
     // otherwise because general.alignment 1 or 2 may leave the floats misaligned.
     owned_vectors_.emplace_back(size_t(n));
     if (tp_.size > 1)
-      read_at(t->offset, owned_vectors_.back().data(), size_t(n) * sizeof(float), false);
+      read_at(t->data, owned_vectors_.back().data(), size_t(n) * sizeof(float), false);
     else
       std::memcpy(owned_vectors_.back().data(), t->data, size_t(n) * sizeof(float));
     return owned_vectors_.back().data();
   }
-  if (!t->type_supported)
-    fail(ErrorKind::Unsupported, file_->display_path(), ": tensor ", name, " has an unsupported type");
   // Small vectors in other formats are converted once at load.
+  const auto dequant = dequant_of(*file_, *t);
   owned_vectors_.emplace_back(size_t(n));
-  type_traits(t->type()).dequantize_ref(t->data, owned_vectors_.back().data(), n);
+  if (tp_.size > 1) {
+    std::vector<uint8_t> raw(size_t(t->nbytes));
+    read_at(t->data, raw.data(), raw.size(), false);
+    dequant(raw.data(), owned_vectors_.back().data(), n);
+  } else {
+    dequant(t->data, owned_vectors_.back().data(), n);
+  }
   return owned_vectors_.back().data();
 }
 
@@ -110,13 +136,11 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
   cfg_ = ModelConfig::from_gguf(*file_);
   TF_CHECK(tp_.size == 1 || (tp_.size == 2 && tp_.group), "tensor parallel size must be 1 or 2 (with a group)");
   TF_CHECK(tp_.rank >= 0 && tp_.rank < tp_.size, "TP rank ", tp_.rank, " is out of range");
-  if (tp_.size > 1) {
-    file_->advise_random();  // the mapping serves only the header and embedding rows now
-    fd_ = ::open(file_->path().c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) fail(ErrorKind::InvalidInput, file_->display_path(), ": cannot open for reading");
-  }
+  if (tp_.size > 1) file_->advise_random();  // the mappings serve only the header now
   const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim;
-  tok_embd_ = load_weight("token_embd.weight", E, cfg_.n_vocab);
+  // The embedding is only read row by row (reference dequant) unless it is also the output.
+  tok_embd_ = load_weight("token_embd.weight", E, cfg_.n_vocab, true, cfg_.tied_output);
+  emb_dequant_ = dequant_of(*file_, *file_->find_tensor("token_embd.weight"));
   output_norm_ = load_vector("output_norm.weight", E);
   output_ = cfg_.tied_output ? tok_embd_ : load_weight("output.weight", E, cfg_.n_vocab);
   layers_.resize(size_t(cfg_.n_layer));
@@ -147,16 +171,12 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
       L.gate_exps = load_experts(p + "ffn_gate_exps.weight", E, FE, NE);
       L.up_exps = load_experts(p + "ffn_up_exps.weight", E, FE, NE);
       L.down_exps = load_experts(p + "ffn_down_exps.weight", FE, E, NE);
-      if (L.gate_exps.first.type != L.up_exps.first.type)
-        fail(ErrorKind::Unsupported, file_->display_path(), ": layer ", il, " has different gate/up expert types");
       if (const GgufTensorInfo* sh = file_->find_tensor(p + "ffn_gate_shexp.weight")) {
         const int64_t FS = sh->ne.size() == 2 ? sh->ne[1] : 0;
         L.gate_shexp = load_weight(p + "ffn_gate_shexp.weight", E, FS);
         L.up_shexp = load_weight(p + "ffn_up_shexp.weight", E, FS);
         L.down_shexp = load_weight(p + "ffn_down_shexp.weight", FS, E);
         L.shexp_gate = load_vector(p + "ffn_gate_inp_shexp.weight", E, false);
-        if (L.gate_shexp.type != L.up_shexp.type)
-          fail(ErrorKind::Unsupported, file_->display_path(), ": layer ", il, " has different shared gate/up types");
         shexp_width_ = std::max<int64_t>(shexp_width_, FS);
       }
     } else {
@@ -165,12 +185,7 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
       L.w_gate = load_weight(p + "ffn_gate.weight", E, cfg_.n_ff);
       L.w_up = load_weight(p + "ffn_up.weight", E, cfg_.n_ff);
       L.w_down = load_weight(p + "ffn_down.weight", cfg_.n_ff, E);
-      if (L.w_gate.type != L.w_up.type)
-        fail(ErrorKind::Unsupported, file_->display_path(), ": layer ", il, " has different gate/up types");
     }
-    if (L.wq.type != L.wk.type || L.wq.type != L.wv.type)
-      fail(ErrorKind::Unsupported, file_->display_path(), ": layer ", il,
-           " mixes weight types within q/k/v; not supported yet");
   }
   hl_ = H;
   hkl_ = HK;
@@ -194,24 +209,25 @@ int64_t block_of(const Weight& w) { return w.rows > 0 ? find_type_traits(uint32_
 
 }  // namespace
 
-LlamaModel::~LlamaModel() {
-  if (fd_ >= 0) ::close(fd_);
-}
+LlamaModel::~LlamaModel() = default;
 
-void LlamaModel::read_at(uint64_t offset, void* dst, size_t n, bool drop_cache) const {
-  const uint64_t start = offset;
+void LlamaModel::read_at(const uint8_t* src, void* dst, size_t n, bool drop_cache) const {
+  // Read from the file rather than the mapping, so the mapping's pages stay untouched; the
+  // part (of a split model) that holds the bytes is found from their address.
+  const auto [part, start] = file_->locate(src, n);
+  uint64_t offset = start;
   const size_t total = n;
   auto* p = static_cast<uint8_t*>(dst);
   while (n > 0) {
     check_interrupt();  // TP loads read gigabytes: Ctrl-C must not wait for all of them
-    const ssize_t r = ::pread(fd_, p, std::min(n, size_t(64) << 20), off_t(offset));
-    if (r <= 0) fail(ErrorKind::Runtime, file_->display_path(), ": read failed while loading a TP slice");
+    const ssize_t r = ::pread(part->fd, p, std::min(n, size_t(64) << 20), off_t(offset));
+    if (r <= 0) fail(ErrorKind::Runtime, part->shown, ": read failed while loading a TP slice");
     p += r;
     offset += uint64_t(r);
     n -= size_t(r);
   }
   // The private copy is what stays resident; don't also keep the file's pages cached.
-  if (drop_cache) ::posix_fadvise(fd_, off_t(start), off_t(total), POSIX_FADV_DONTNEED);
+  if (drop_cache) ::posix_fadvise(part->fd, off_t(start), off_t(total), POSIX_FADV_DONTNEED);
 }
 
 Weight LlamaModel::slice_rows(const Weight& w, int64_t r0, int64_t r1) {
@@ -219,7 +235,7 @@ Weight LlamaModel::slice_rows(const Weight& w, int64_t r0, int64_t r1) {
   s.rows = r1 - r0;
   const size_t n = w.row_stride * size_t(s.rows);
   owned_weights_.emplace_back(new uint8_t[n]);
-  read_at(uint64_t(w.data - file_->base()) + uint64_t(r0) * w.row_stride, owned_weights_.back().get(), n);
+  read_at(w.data + size_t(r0) * w.row_stride, owned_weights_.back().get(), n);
   s.data = owned_weights_.back().get();
   return s;
 }
@@ -231,9 +247,8 @@ ExpertWeight LlamaModel::slice_rows(const ExpertWeight& w, int64_t r0, int64_t r
   s.expert_stride = per;
   owned_weights_.emplace_back(new uint8_t[per * size_t(w.n_expert)]);
   uint8_t* dst = owned_weights_.back().get();
-  const uint64_t base = uint64_t(w.first.data - file_->base());
   for (int64_t e = 0; e < w.n_expert; ++e)
-    read_at(base + uint64_t(e) * w.expert_stride + uint64_t(r0) * w.first.row_stride, dst + size_t(e) * per, per);
+    read_at(w.first.data + size_t(e) * w.expert_stride + size_t(r0) * w.first.row_stride, dst + size_t(e) * per, per);
   s.first.data = dst;
   return s;
 }
@@ -243,7 +258,7 @@ ExpertWeight LlamaModel::slice_experts(const ExpertWeight& w, int64_t e0, int64_
   s.n_expert = e1 - e0;
   const size_t n = w.expert_stride * size_t(s.n_expert);
   owned_weights_.emplace_back(new uint8_t[n]);
-  read_at(uint64_t(w.first.data - file_->base()) + uint64_t(e0) * w.expert_stride, owned_weights_.back().get(), n);
+  read_at(w.first.data + size_t(e0) * w.expert_stride, owned_weights_.back().get(), n);
   s.first.data = owned_weights_.back().get();
   return s;  // expert e of the model is local expert e - e0
 }
@@ -255,9 +270,8 @@ Weight LlamaModel::slice_cols(const Weight& w, int64_t c0, int64_t c1) {
   const size_t skip = row_bytes(w.type, c0);
   owned_weights_.emplace_back(new uint8_t[s.row_stride * size_t(w.rows)]);
   uint8_t* dst = owned_weights_.back().get();
-  const uint64_t base = uint64_t(w.data - file_->base());
   for (int64_t r = 0; r < w.rows; ++r)
-    read_at(base + uint64_t(r) * w.row_stride + skip, dst + size_t(r) * s.row_stride, s.row_stride);
+    read_at(w.data + size_t(r) * w.row_stride + skip, dst + size_t(r) * s.row_stride, s.row_stride);
   s.data = dst;
   return s;
 }
@@ -270,10 +284,9 @@ ExpertWeight LlamaModel::slice_cols(const ExpertWeight& w, int64_t c0, int64_t c
   const size_t skip = row_bytes(w.first.type, c0);
   owned_weights_.emplace_back(new uint8_t[s.expert_stride * size_t(w.n_expert)]);
   uint8_t* dst = owned_weights_.back().get();
-  const uint64_t base = uint64_t(w.first.data - file_->base());
   for (int64_t e = 0; e < w.n_expert; ++e)
     for (int64_t r = 0; r < w.first.rows; ++r)
-      read_at(base + uint64_t(e) * w.expert_stride + uint64_t(r) * w.first.row_stride + skip,
+      read_at(w.first.data + size_t(e) * w.expert_stride + size_t(r) * w.first.row_stride + skip,
               dst + size_t(e) * s.expert_stride + size_t(r) * s.first.row_stride, s.first.row_stride);
   s.first.data = dst;
   return s;
@@ -283,9 +296,11 @@ void LlamaModel::plan_splits() {
   // The boundaries at which TP=2 splits every reduction dimension. TP=1 splits its sums at
   // the same boundaries (partial + partial, as the All-Reduce does), so any TP degree gives
   // bit-identical results. -1: no block-aligned split exists (TP=2 is then refused).
+  // A split point must be a block boundary of every weight it cuts, whatever their types
+  // (32 and 256 mixed, layer by layer): a multiple of all their block sizes.
   const int64_t H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim, g = H / HK;
   int64_t align = 1;
-  for (const auto& L : layers_) align = std::max(align, block_of(L.wo));
+  for (const auto& L : layers_) align = std::lcm(align, block_of(L.wo));
   kv_split_ = -1;
   for (int64_t c = 1; c < HK; ++c)
     if ((c * g * D) % align == 0 && (kv_split_ < 0 || std::llabs(2 * c - HK) < std::llabs(2 * kv_split_ - HK)))
@@ -298,8 +313,8 @@ void LlamaModel::plan_splits() {
   };
   int64_t al_ff = 1, al_exp = 1;
   for (const auto& L : layers_) {
-    al_ff = std::max(al_ff, block_of(L.w_down));
-    al_exp = std::max(al_exp, block_of(L.down_exps.first));
+    al_ff = std::lcm(al_ff, block_of(L.w_down));
+    al_exp = std::lcm(al_exp, block_of(L.down_exps.first));
   }
   f_split_ = cfg_.n_ff > 0 ? point(cfg_.n_ff, al_ff) : -1;
   fe_split_ = cfg_.is_moe() ? point(cfg_.n_ff_exp, al_exp) : -1;
@@ -423,7 +438,18 @@ double LlamaModel::scratch_bytes(int64_t max_tokens) const {
   const double QD = double(hl_) * D, KD = double(hkl_) * D;
   const double FW = std::max(double(fl_), double(shexp_width_));
   double act = 0;  // widest quantized activation row, about one byte per value plus scales
-  for (const auto& L : layers_) act = std::max({act, double(L.wq.k), double(L.wo.k), double(L.w_down.k), double(L.down_exps.first.k)});
+  unsigned layouts = 1u << unsigned(output_.layout);
+  auto use = [&](const Weight& w) {
+    if (w.rows > 0) layouts |= 1u << unsigned(w.layout);
+  };
+  for (const auto& L : layers_) {
+    act = std::max({act, double(L.wq.k), double(L.wo.k), double(L.w_down.k), double(L.down_exps.first.k)});
+    for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down, &L.router,
+                            &L.gate_exps.first, &L.up_exps.first, &L.down_exps.first, &L.gate_shexp,
+                            &L.up_shexp, &L.down_shexp})
+      use(*w);
+  }
+  act *= double(__builtin_popcount(layouts));  // one buffer per layout in use
   double floats = T * (6 * E + 2 * QD + 2 * KD + 2 * FW + double(cfg_.rope_dim));
   double bytes = 4 * floats + T * (1.25 * act + 64);
   if (cfg_.is_moe()) {
@@ -455,18 +481,28 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   gate_.assign(T * FW, 0.f);
   up_.assign(T * FW, 0.f);
   rope_cs_.assign(T * size_t(cfg_.rope_dim), 0.f);
-  size_t act = 0;
-  auto consider = [&](const Weight& w) {
-    if (w.rows > 0) act = std::max(act, cpu::act_row_bytes(w.type, w.k));
+  // One activation buffer per layout, rows as wide as the widest input of that layout; the
+  // gathered expert buffers only for the layouts the experts use.
+  size_t stride[kLayouts] = {};
+  bool exp_layout[kLayouts] = {};
+  auto consider = [&](const Weight& w, bool expert = false) {
+    if (w.rows <= 0) return;
+    const size_t l = size_t(w.layout);
+    stride[l] = std::max(stride[l], cpu::act_row_bytes(w.type, w.k));
+    if (expert) exp_layout[l] = true;
   };
   consider(output_);
   for (const auto& L : layers_) {
-    consider(L.wq); consider(L.wo); consider(L.w_gate); consider(L.w_down);
-    consider(L.router); consider(L.gate_exps.first); consider(L.down_exps.first);
-    consider(L.gate_shexp); consider(L.down_shexp);
+    for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down, &L.router,
+                            &L.gate_shexp, &L.up_shexp, &L.down_shexp})
+      consider(*w);
+    for (const Weight* w : {&L.gate_exps.first, &L.up_exps.first, &L.down_exps.first}) consider(*w, true);
   }
-  act_stride_ = (act + 63) & ~size_t(63);
-  act_.assign(T * act_stride_, 0);
+  for (size_t l = 0; l < kLayouts; ++l) {
+    act_[l].stride = exp_act_[l].stride = (stride[l] + 63) & ~size_t(63);
+    act_[l].data.assign(T * act_[l].stride, 0);
+    exp_act_[l].data.clear();
+  }
   jobs_.clear();
   jobs_.reserve(size_t(2 * std::max(cfg_.n_expert, 2) + 4));
   job_chunk_begin_.reserve(jobs_.capacity());
@@ -485,18 +521,54 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
     exp_up_.assign(T * K * FE, 0.f);
     exp_out_.assign(T * K * E, 0.f);
     exp_out2_.assign(fe_split_ > 0 ? T * K * E : 0, 0.f);
-    exp_act_.assign(T * K * act_stride_, 0);
+    for (size_t l = 0; l < kLayouts; ++l)
+      if (exp_layout[l]) exp_act_[l].data.assign(T * K * exp_act_[l].stride, 0);
   }
 }
 
-void LlamaModel::quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool,
-                               uint8_t* dst, int64_t ldx) {
-  // Rows of x are ldx (default k) floats apart; quantized rows act_stride_ bytes apart.
-  if (!dst) dst = act_.data();
-  if (ldx == 0) ldx = k;
+unsigned LlamaModel::quantize_acts(std::initializer_list<const Weight*> ws, const float* x, int64_t T,
+                                   int64_t k, int64_t ldx, ActBuf* bufs, ThreadPool& pool) {
+  // A weight type of each layout needed stands for all weights of that layout.
+  GgmlType rep[kLayouts] = {};
+  unsigned mask = 0;
+  for (const Weight* w : ws) {
+    const unsigned l = unsigned(w->layout);
+    if (!(mask & (1u << l))) rep[l] = w->type;
+    mask |= 1u << l;
+  }
+  quantize_layouts(mask, rep, x, T, k, ldx, bufs, pool);
+  return mask;
+}
+
+void LlamaModel::quantize_layouts(unsigned mask, const GgmlType* rep, const float* x, int64_t T, int64_t k,
+                                  int64_t ldx, ActBuf* bufs, ThreadPool& pool) {
+  // One parallel section for all layouts: each thread quantizes its rows into each of them.
   pool.parallel_for(T, 8, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c) cpu::quantize_act_row(t, x + c * ldx, dst + size_t(c) * act_stride_, k);
+    for (size_t l = 0; l < kLayouts; ++l) {
+      if (!(mask & (1u << l))) continue;
+      uint8_t* dst = bufs[l].data.data();
+      const size_t stride = bufs[l].stride;
+      for (int64_t c = b; c < e; ++c) cpu::quantize_act_row(rep[l], x + c * ldx, dst + size_t(c) * stride, k);
+    }
   });
+}
+
+void LlamaModel::project(std::initializer_list<Proj> ps, const float* x, int64_t T, int64_t ldx,
+                         ThreadPool& pool) {
+  GgmlType rep[kLayouts] = {};
+  unsigned mask = 0;
+  for (const Proj& p : ps) {
+    const unsigned l = unsigned(p.w->layout);
+    if (!(mask & (1u << l))) rep[l] = p.w->type;
+    mask |= 1u << l;
+  }
+  quantize_layouts(mask, rep, x, T, ps.begin()->w->k, ldx, act_, pool);  // the group shares its input
+  jobs_.clear();
+  for (const Proj& p : ps) {
+    const ActBuf& a = act_[size_t(p.w->layout)];
+    jobs_.push_back({*p.w, a.data.data(), a.stride, T, p.y, p.w->rows});
+  }
+  run_jobs(jobs_, pool);
 }
 
 Weight LlamaModel::kview(const Weight& w, int64_t c0, int64_t c1) {
@@ -509,15 +581,12 @@ Weight LlamaModel::kview(const Weight& w, int64_t c0, int64_t c1) {
 void LlamaModel::ksplit_matmul(const Weight& w, const float* x, int64_t T, int64_t ldx, int64_t split,
                                float* y, float* scratch, ThreadPool& pool) {
   if (split <= 0) {
-    quantize_acts(w.type, x, T, w.k, pool, nullptr, ldx);
-    matmul({{&w, y}}, T, pool);
+    project({{&w, y}}, x, T, ldx, pool);
     return;
   }
   const Weight a = kview(w, 0, split), b = kview(w, split, w.k);
-  quantize_acts(w.type, x, T, split, pool, nullptr, ldx);
-  matmul({{&a, y}}, T, pool);
-  quantize_acts(w.type, x + split, T, w.k - split, pool, nullptr, ldx);
-  matmul({{&b, scratch}}, T, pool);
+  project({{&a, y}}, x, T, ldx, pool);
+  project({{&b, scratch}}, x + split, T, ldx, pool);
   for (int64_t i = 0; i < T * w.rows; ++i) y[i] += scratch[i];  // partial + partial, as TP sums
 }
 
@@ -545,20 +614,11 @@ void LlamaModel::run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool) 
   });
 }
 
-void LlamaModel::matmul(std::initializer_list<std::pair<const Weight*, float*>> ws, int64_t T,
-                        ThreadPool& pool) {
-  jobs_.clear();
-  for (const auto& [w, y] : ws) jobs_.push_back({*w, act_.data(), act_stride_, T, y, w->rows});
-  run_jobs(jobs_, pool);
-}
-
 void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   const LayerWeights& L = layers_[size_t(layer)];
   const int64_t E = cfg_.n_embd, NE = cfg_.n_expert, K = cfg_.n_expert_used, FE = fel_;
-  const size_t S = act_stride_;
   // 1. Router logits and routing.
-  quantize_acts(L.router.type, xn_.data(), T, E, pool);
-  matmul({{&L.router, router_logits_.data()}}, T, pool);
+  project({{&L.router, router_logits_.data()}}, xn_.data(), T, E, pool);
   moe::RouterConfig rc = cfg_.router;
   rc.selection_bias = L.selection_bias;
   moe::route(rc, router_logits_.data(), T, route_ids_.data(), route_w_.data(), route_scratch_.data());
@@ -581,19 +641,29 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
       exp_rows_[size_t(row)] = int32_t(t);
       slot_of_[size_t(t * K + k)] = row;
     }
-  // 3. Gate/up: each expert's tokens gathered (already quantized) into consecutive rows.
-  quantize_acts(L.gate_exps.first.type, xn_.data(), T, E, pool);
+  // 3. Gate/up: each expert's tokens gathered (already quantized) into consecutive rows, for
+  // each layout the two need (gate and up may be of different types).
+  const unsigned mask = quantize_acts({&L.gate_exps.first, &L.up_exps.first}, xn_.data(), T, E, E, act_, pool);
   const int64_t R = T * K;
-  for (int64_t r = 0; r < R; ++r)
-    std::memcpy(exp_act_.data() + size_t(r) * S, act_.data() + size_t(exp_rows_[size_t(r)]) * S, S);
+  for (size_t l = 0; l < kLayouts; ++l) {
+    if (!(mask & (1u << l))) continue;
+    const size_t S = act_[l].stride;
+    for (int64_t r = 0; r < R; ++r)
+      std::memcpy(exp_act_[l].data.data() + size_t(r) * S, act_[l].data.data() + size_t(exp_rows_[size_t(r)]) * S, S);
+  }
+  const ActBuf& ag = exp_act_[size_t(L.gate_exps.first.layout)];
+  const ActBuf& au = exp_act_[size_t(L.up_exps.first.layout)];
+  const ActBuf& ad = exp_act_[size_t(L.down_exps.first.layout)];
   // Experts this rank computes: all of them, or its half under expert-parallel TP.
   const int64_t lo = exp_lo_, hi = exp_hi_ > 0 ? exp_hi_ : NE;
   jobs_.clear();
   for (int64_t e = lo; e < hi; ++e) {
     const int64_t off = exp_offset_[size_t(e)], c = exp_offset_[size_t(e + 1)] - off;
     if (c == 0) continue;
-    jobs_.push_back({L.gate_exps.expert(e - lo), exp_act_.data() + size_t(off) * S, S, c, exp_gate_.data() + off * FE, FE});
-    jobs_.push_back({L.up_exps.expert(e - lo), exp_act_.data() + size_t(off) * S, S, c, exp_up_.data() + off * FE, FE});
+    jobs_.push_back({L.gate_exps.expert(e - lo), ag.data.data() + size_t(off) * ag.stride, ag.stride, c,
+                     exp_gate_.data() + off * FE, FE});
+    jobs_.push_back({L.up_exps.expert(e - lo), au.data.data() + size_t(off) * au.stride, au.stride, c,
+                     exp_up_.data() + off * FE, FE});
   }
   run_jobs(jobs_, pool);
   const cpu::VecOps& ops = cpu::vec_ops();
@@ -605,12 +675,13 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   const bool ep = expert_parallel_;
   const bool two = fe_split_ > 0 || (ep && tp_.size == 1);
   if (ep) {
-    quantize_acts(L.down_exps.first.type, exp_gate_.data(), R, FE, pool, exp_act_.data());
+    quantize_acts({&L.down_exps.first}, exp_gate_.data(), R, FE, FE, exp_act_, pool);
     jobs_.clear();
     for (int64_t e = lo; e < hi; ++e) {
       const int64_t off = exp_offset_[size_t(e)], c = exp_offset_[size_t(e + 1)] - off;
       if (c == 0) continue;
-      jobs_.push_back({L.down_exps.expert(e - lo), exp_act_.data() + size_t(off) * S, S, c, exp_out_.data() + off * E, E});
+      jobs_.push_back({L.down_exps.expert(e - lo), ad.data.data() + size_t(off) * ad.stride, ad.stride, c,
+                       exp_out_.data() + off * E, E});
     }
     run_jobs(jobs_, pool);
     std::fill(ffn_out_.begin(), ffn_out_.begin() + T * E, 0.f);
@@ -628,12 +699,13 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   for (int part = 0; part < (ep ? 0 : (two ? 2 : 1)); ++part) {
     const int64_t c0 = part == 0 ? 0 : fe_split_, c1 = two && part == 0 ? fe_split_ : FE;
     float* eo = part == 0 ? exp_out_.data() : exp_out2_.data();
-    quantize_acts(L.down_exps.first.type, exp_gate_.data() + c0, R, c1 - c0, pool, exp_act_.data(), FE);
+    quantize_acts({&L.down_exps.first}, exp_gate_.data() + c0, R, c1 - c0, FE, exp_act_, pool);
     jobs_.clear();
     for (int64_t e = 0; e < NE; ++e) {
       const int64_t off = exp_offset_[size_t(e)], c = exp_offset_[size_t(e + 1)] - off;
       if (c == 0) continue;
-      jobs_.push_back({kview(L.down_exps.expert(e), c0, c1), exp_act_.data() + size_t(off) * S, S, c, eo + off * E, E});
+      jobs_.push_back({kview(L.down_exps.expert(e), c0, c1), ad.data.data() + size_t(off) * ad.stride, ad.stride, c,
+                       eo + off * E, E});
     }
     run_jobs(jobs_, pool);
     float* out = part == 0 ? ffn_out_.data() : ffn_out2_.data();
@@ -651,11 +723,7 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   // split like the experts' when emulating TP=2's sums.
   if (L.gate_shexp.rows > 0) {
     const int64_t FS = L.gate_shexp.rows;
-    quantize_acts(L.gate_shexp.type, xn_.data(), T, E, pool);
-    jobs_.clear();
-    jobs_.push_back({L.gate_shexp, act_.data(), S, T, gate_.data(), FS});
-    jobs_.push_back({L.up_shexp, act_.data(), S, T, up_.data(), FS});
-    run_jobs(jobs_, pool);
+    project({{&L.gate_shexp, gate_.data()}, {&L.up_shexp, up_.data()}}, xn_.data(), T, E, pool);
     for (int64_t t = 0; t < T; ++t) ops.silu_mul(FS, gate_.data() + t * FS, up_.data() + t * FS, gate_.data() + t * FS);
     const int64_t split = fs_split_[size_t(layer)];
     for (int part = 0; part < (two ? 2 : 1); ++part) {
@@ -664,8 +732,7 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
       float* sh = part_.data();
       if (two && split <= 0 && part == 1) break;  // unsplittable shared expert: all in part 0
       const Weight dw = kview(L.down_shexp, c0, c1);
-      quantize_acts(dw.type, gate_.data() + c0, T, c1 - c0, pool, nullptr, FS);
-      matmul({{&dw, sh}}, T, pool);
+      project({{&dw, sh}}, gate_.data() + c0, T, FS, pool);
       float* out = part == 0 ? ffn_out_.data() : ffn_out2_.data();
       for (int64_t t = 0; t < T; ++t) {
         float g = 1.f;
@@ -747,7 +814,6 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
   const cpu::VecOps& ops = cpu::vec_ops();
 
   // Embedding rows and the rotary table for each token (shared by all layers).
-  const TypeTraits& emb_tr = type_traits(tok_embd_.type);
   const float theta_scale = std::pow(cfg_.rope_base, -2.0f / float(rd));
   for (int64_t t = 0; t < T; ++t) {
     const BatchToken& bt = batch[size_t(t)];
@@ -756,10 +822,10 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
     const uint8_t* row = tok_embd_.data + size_t(bt.token) * tok_embd_.row_stride;
     if (tp_.size > 1) {
       // Under TP the mapping stays untouched: read the one embedding row.
-      read_at(uint64_t(row - file_->base()), emb_row_.data(), tok_embd_.row_stride, false);
+      read_at(row, emb_row_.data(), tok_embd_.row_stride, false);
       row = emb_row_.data();
     }
-    emb_tr.dequantize_ref(row, x_.data() + t * E, E);
+    emb_dequant_(row, x_.data() + t * E, E);
     float theta = float(bt.pos);
     float* cs = rope_cs_.data() + t * rd;
     for (int i = 0; i < rd / 2; ++i) {
@@ -773,8 +839,7 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
   for (int il = 0; il < cfg_.n_layer; ++il) {
     const LayerWeights& L = layers_[size_t(il)];
     rmsnorm(x_.data(), L.attn_norm, xn_.data(), T, E);
-    quantize_acts(L.wq.type, xn_.data(), T, E, pool);
-    matmul({{&L.wq, q_.data()}, {&L.wk, k_.data()}, {&L.wv, v_.data()}}, T, pool);
+    project({{&L.wq, q_.data()}, {&L.wk, k_.data()}, {&L.wv, v_.data()}}, xn_.data(), T, E, pool);
     // Per-token: bias, q/k norm, rope, then store K/V into the sequence's pages.
     pool.parallel_for(T, 1, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
@@ -818,8 +883,7 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
       for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += ffn_out_[size_t(i)];
       continue;
     }
-    quantize_acts(L.w_gate.type, xn_.data(), T, E, pool);
-    matmul({{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}}, T, pool);
+    project({{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}}, xn_.data(), T, E, pool);
     pool.parallel_for(T, 4, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t)
         ops.silu_mul(F, gate_.data() + t * F, up_.data() + t * F, gate_.data() + t * F);
@@ -837,20 +901,21 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
     ++n_out;
   }
   if (n_out == 0) return;
-  quantize_acts(output_.type, xn_.data(), n_out, E, pool);
   const int64_t V = cfg_.n_vocab;
   if (tp_.size == 1) {
-    matmul({{&output_, logits}}, n_out, pool);
+    project({{&output_, logits}}, xn_.data(), n_out, E, pool);
     return;
   }
+  quantize_acts({&output_}, xn_.data(), n_out, E, E, act_, pool);
+  const ActBuf& ao = act_[size_t(output_.layout)];
   // TP: each rank computes its vocabulary rows; rank 1's reach rank 0, which samples.
   TF_CHECK(n_out <= kMaxLogitRows, "too many logit rows for one TP forward");
   const int64_t V1 = V - (tp_.rank == 0 ? v1_ : v0_);  // rank 1's slice width
   jobs_.clear();
   if (tp_.rank == 0)
-    jobs_.push_back({output_, act_.data(), act_stride_, n_out, logits, V});
+    jobs_.push_back({output_, ao.data.data(), ao.stride, n_out, logits, V});
   else
-    jobs_.push_back({output_, act_.data(), act_stride_, n_out, logits_local_.data(), V1});
+    jobs_.push_back({output_, ao.data.data(), ao.stride, n_out, logits_local_.data(), V1});
   run_jobs(jobs_, pool);
   tp_.group->broadcast(logits_local_.data(), size_t(n_out * V1) * sizeof(float), tp_.group_rank(1));
   if (tp_.rank == 0)

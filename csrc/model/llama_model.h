@@ -8,11 +8,19 @@
 // buffers (the file's cached pages are dropped after), so a rank keeps only its half
 // resident; the mapping then serves only the header and embedding rows. The output
 // projection and the FFN produce partial sums, combined by one All-Reduce each.
+//
+// Weight types: every weight may have its own type (llama.cpp's mixes give attn_v and
+// ffn_down more bits than attn_q/attn_k, change types from layer to layer, ...). Matrices
+// multiplied with the same input (q/k/v, gate/up, experts' gate/up) are grouped by the
+// activation layout their types multiply with (cpu::act_layout): the input is quantized once
+// per layout the group needs, into that layout's buffer, and all products of the group run in
+// one parallel section.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "backend/cpu/kernels.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "gguf/gguf_reader.h"
@@ -25,6 +33,7 @@ namespace tf {
 // A 2-D weight matrix: `rows` rows of `k` elements, row-major in the file.
 struct Weight {
   GgmlType type = GgmlType::F32;
+  cpu::ActLayout layout = cpu::ActLayout::F32;  // of the activations it multiplies with
   int64_t k = 0, rows = 0;
   const uint8_t* data = nullptr;
   size_t row_stride = 0;
@@ -117,7 +126,21 @@ class LlamaModel {
                float* logits);
 
  private:
-  Weight load_weight(const std::string& name, int64_t k, int64_t rows, bool required = true);
+  static constexpr size_t kLayouts = 3;  // cpu::ActLayout values
+  // Quantized activation rows of one layout, `stride` bytes apart.
+  struct ActBuf {
+    std::vector<uint8_t> data;
+    size_t stride = 0;
+  };
+  // A product of a group: y[c * W.rows + r] = W[r] . x[c].
+  struct Proj {
+    const Weight* w;
+    float* y;
+  };
+
+  // compute = false: only read through the reference dequantization (the embedding table).
+  Weight load_weight(const std::string& name, int64_t k, int64_t rows, bool required = true,
+                     bool compute = true);
   ExpertWeight load_experts(const std::string& name, int64_t k, int64_t rows, int64_t n_expert);
   // TP slicing (see the header comment).
   void shard_weights();
@@ -126,11 +149,20 @@ class LlamaModel {
   Weight slice_cols(const Weight& w, int64_t c0, int64_t c1);
   ExpertWeight slice_experts(const ExpertWeight& w, int64_t e0, int64_t e1);
   ExpertWeight slice_cols(const ExpertWeight& w, int64_t c0, int64_t c1);
-  void read_at(uint64_t offset, void* dst, size_t n, bool drop_cache = true) const;
+  // pread of the n mapped bytes at src from the file (part) they belong to.
+  void read_at(const uint8_t* src, void* dst, size_t n, bool drop_cache = true) const;
   void reduce(float* data, int64_t n);
   const float* load_vector(const std::string& name, int64_t n, bool required = true);
-  void quantize_acts(GgmlType t, const float* x, int64_t T, int64_t k, ThreadPool& pool,
-                     uint8_t* dst = nullptr, int64_t ldx = 0);
+  // Quantizes T rows of x (ldx floats apart, k values each) once per activation layout the
+  // weights need, into bufs[layout]; returns the layouts (bit l: ActLayout l).
+  unsigned quantize_acts(std::initializer_list<const Weight*> ws, const float* x, int64_t T, int64_t k,
+                         int64_t ldx, ActBuf* bufs, ThreadPool& pool);
+  // The same for the layouts in `mask`, rep[l] a weight type of layout l.
+  void quantize_layouts(unsigned mask, const GgmlType* rep, const float* x, int64_t T, int64_t k,
+                        int64_t ldx, ActBuf* bufs, ThreadPool& pool);
+  // Every product of a group whose weights take the same input x (T rows, ldx floats apart,
+  // the weights' k values each): x quantized once per layout, all products in one section.
+  void project(std::initializer_list<Proj> ps, const float* x, int64_t T, int64_t ldx, ThreadPool& pool);
   // A column range [c0, c1) of every row of w, as a view.
   static Weight kview(const Weight& w, int64_t c0, int64_t c1);
   // y = W . x with the reduction split at `split` (<= 0: not split) into two partial sums
@@ -138,9 +170,6 @@ class LlamaModel {
   void ksplit_matmul(const Weight& w, const float* x, int64_t T, int64_t ldx, int64_t split, float* y,
                      float* scratch, ThreadPool& pool);
   void plan_splits();
-  // y[c * ldy + r] for each weight in ws against the activations last quantized.
-  void matmul(std::initializer_list<std::pair<const Weight*, float*>> ws, int64_t T,
-              ThreadPool& pool);
   // Runs every job in one parallel section (each thread takes a share of each job's rows).
   void run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool);
   void moe_ffn(int layer, int64_t T, ThreadPool& pool);  // xn_ -> adds into x_
@@ -151,13 +180,13 @@ class LlamaModel {
   std::shared_ptr<GgufFile> file_;
   ModelConfig cfg_;
   Weight tok_embd_, output_;
+  void (*emb_dequant_)(const void*, float*, int64_t) = nullptr;  // token_embd's reference dequant
   const float* output_norm_ = nullptr;
   std::vector<LayerWeights> layers_;
   std::vector<std::vector<float>> owned_vectors_;  // norms stored as F16/BF16, converted once
   std::vector<std::unique_ptr<uint8_t[]>> owned_weights_;  // TP column slices
   TpShard tp_;
-  int fd_ = -1;  // TP: the file, read with pread (slices at load, embedding rows per token)
-  std::vector<uint8_t> emb_row_;
+  std::vector<uint8_t> emb_row_;  // TP: one embedding row, read with pread
   // Local (this rank's) extents: query/KV heads, FFN widths, vocabulary rows.
   int64_t hl_ = 0, hkl_ = 0, fl_ = 0, fel_ = 0, v0_ = 0, v1_ = 0;
   // Split points of the reductions (see plan_splits); -1 = not split on this rank.
@@ -175,13 +204,12 @@ class LlamaModel {
   int n_threads_ = 1;
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, rope_cs_, ffn_out_, ffn_out2_, part_,
       logits_local_;
-  std::vector<uint8_t> act_;
-  size_t act_stride_ = 0;
+  ActBuf act_[kLayouts];
   // MoE scratch: router logits, routing, per-expert token lists, gathered activations.
   std::vector<float> router_logits_, route_w_, route_scratch_, exp_gate_, exp_up_, exp_out_, exp_out2_;
   std::vector<int32_t> route_ids_, exp_count_, exp_offset_, exp_rows_;  // exp_rows_: token of each slot
   std::vector<int32_t> slot_of_;        // [T * n_used] -> row in expert order
-  std::vector<uint8_t> exp_act_;
+  ActBuf exp_act_[kLayouts];  // gathered in expert order
   std::vector<MatmulJob> jobs_;
   std::vector<int64_t> job_chunk_begin_;  // run_jobs: first chunk of each job (reused)
   std::vector<std::vector<int64_t>> expert_usage_;

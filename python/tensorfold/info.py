@@ -31,6 +31,10 @@ def _count(v) -> int | None:
         return None
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def describe(model: str, show_tensors: bool = False) -> str:
     from .engine import resolve_model
 
@@ -43,6 +47,12 @@ def describe(model: str, show_tensors: bool = False) -> str:
              f"size:          {f.file_size / 2**20:.1f} MiB (GGUF v{f.version}, {len(md)} metadata keys)",
              f"name:          {_show(md.get('general.name'))}",
              f"architecture:  {_show(md.get('general.architecture'))}"]
+    parts = f.parts
+    if len(parts) > 1:
+        # A split model (llama.cpp's gguf-split): every file, in split order.
+        lines.insert(1, f"parts:         {len(parts)} files (split model; metadata in part 1)")
+        for i, p in enumerate(parts):
+            lines.insert(2 + i, f"  {i + 1:>5}  {p['path']}  {_size(p['size'])}, {p['n_tensors']} tensors")
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                 "attention.head_count_kv", "context_length", "rope.freq_base", "expert_count",
                 "expert_used_count"):
@@ -87,5 +97,6 @@ def describe(model: str, show_tensors: bool = False) -> str:
         lines.append(f"warning: types not supported by TensorFold yet: {', '.join(sorted(unsupported))}")
     if show_tensors:
         for t in tensors:
-            lines.append(f"  {t['name']:<40} {t['type']:<7} {str(t['shape']):<22} {t['nbytes']:>12}")
+            part = f"  part {t['part'] + 1}" if len(parts) > 1 else ""
+            lines.append(f"  {t['name']:<40} {t['type']:<7} {str(t['shape']):<22} {t['nbytes']:>12}{part}")
     return "\n".join(lines)
