@@ -42,6 +42,19 @@ struct alignas(32) Decoded32 {
   float d;
 };
 
+// Unaligned little-endian loads of block fields (block sizes such as 66 or 110 bytes leave
+// fields at any alignment).
+inline uint16_t ld16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+inline uint32_t ld32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 using Decode256Fn = void (*)(const uint8_t* block, Decoded256* out);
 using Decode32Fn = void (*)(const uint8_t* block, Decoded32* out);
 
@@ -317,9 +330,36 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
     detail::matmul_d##width##_avx512<decode_fast, bytes>(TF_MATMUL_ARGS);                                \
   }                                                                                                      \
   }
+// The same for 256-value formats with a fused kernel for narrow products (decode: up to four
+// columns, the block decoded in registers and never stored, since decoding costs more than the
+// dot there): `fused<NC>(nb, w, ws, r0, r1, xq, xs, y, ldy)` for NC = 1..4 in the format's
+// file. Wider products go to the decoded-block drivers.
+#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, fused)                           \
+  namespace tf::cpu::ns {                                                                                \
+  void scalar(TF_MATMUL_PARAMS) { detail::matmul_d256_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); }    \
+  TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {                                                           \
+    const auto* wb = static_cast<const uint8_t*>(w);                                                     \
+    const auto* xb = static_cast<const uint8_t*>(xq);                                                    \
+    switch (ncols) {                                                                                     \
+      case 1: return fused<1>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
+      case 2: return fused<2>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
+      case 3: return fused<3>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
+      case 4: return fused<4>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
+      default: return detail::matmul_d256_avx2<decode_fast, bytes>(TF_MATMUL_ARGS);                     \
+    }                                                                                                    \
+  }                                                                                                      \
+  /* AVX-512: the fused AVX2 loop for narrow products (512-bit registers do not shorten the */          \
+  /* decoding that dominates them), the AVX-512 driver over the AVX2 decoder for wide ones.  */          \
+  TF_TARGET_AVX512 void avx512(TF_MATMUL_PARAMS) {                                                       \
+    if (ncols <= 4) return avx2(TF_MATMUL_ARGS);                                                         \
+    detail::matmul_d256_avx512<decode_fast, bytes>(TF_MATMUL_ARGS);                                      \
+  }                                                                                                      \
+  }
 #else
 #define TF_DECODED_KERNELS(ns, width, bytes, decode_scalar, decode_fast)                                 \
   namespace tf::cpu::ns {                                                                                \
   void scalar(TF_MATMUL_PARAMS) { detail::matmul_d##width##_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); } \
   }
+#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, fused) \
+  TF_DECODED_KERNELS(ns, 256, bytes, decode_scalar, decode_fast)
 #endif

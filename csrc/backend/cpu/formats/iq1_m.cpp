@@ -5,7 +5,6 @@
 // (sc[k/4] >> 3(k%4)) & 7; the fp16 d is split over the top nibbles of sc[0..3] (low first):
 //   w = d * (2 s_k + 1) * (grid + delta).
 // Decoded as q = 8 * grid ± 1 (|q| <= 9), sc = 2 s_k + 1, d / 8 — all exact.
-#include <cstdlib> /*DBG*/
 #include "backend/cpu/decoded.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
@@ -13,13 +12,8 @@
 namespace tf::cpu::iq1_m {
 
 namespace {
+using detail::ld16;
 constexpr size_t kBytes = 56;
-
-uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
 
 inline uint16_t d_bits(const uint8_t* b) {
   return uint16_t((ld16(b + 48) >> 12) | ((ld16(b + 50) >> 8) & 0x00F0u) | ((ld16(b + 52) >> 4) & 0x0F00u) |
@@ -119,10 +113,9 @@ namespace {
 // values: u = 8g + e + 9 in {0, 2, 8, 10, 16, 18} is unsigned for maddubs, and per 16-weight
 // group j (scale l_j = 2 s_j + 1, S_j = bsums[j]):
 //   sum 8*w/d * x = l_j * (sum u*x - 9 * S_j).
-// The S terms are one madd of the bsums with -9 l. Many columns (prefill) go to the
-// decoded-block driver, which decodes a block once for 64 columns.
-constexpr int64_t kFusedMaxCols = 1 << 30;
-
+// The S terms are one madd of the bsums with -9 l.
+// The fused kernel serves every column count on AVX2; AVX-512 CPUs use the decoded-block
+// driver.
 template <int NC>
 TF_TARGET_AVX2 void fused_row(const uint8_t* row, int64_t nb, const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
   const __m256i eight = _mm256_set1_epi8(8), ten = _mm256_set1_epi8(10);
@@ -162,8 +155,6 @@ TF_TARGET_AVX2 void fused_row(const uint8_t* row, int64_t nb, const uint8_t* xq,
 }  // namespace
 
 TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {
-  static const int64_t kDbgMax = getenv("IQ1_FUSED_MAX") ? atoll(getenv("IQ1_FUSED_MAX")) : kFusedMaxCols; /*DBG*/
-  if (ncols > kDbgMax) return detail::matmul_d256_avx2<decode_avx2, kBytes>(TF_MATMUL_ARGS);
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* xb = static_cast<const uint8_t*>(xq);
   const int64_t nb = k / 256;

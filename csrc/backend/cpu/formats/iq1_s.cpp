@@ -5,7 +5,6 @@
 //   w = d * (2s + 1) * (grid + delta).
 // Decoded as q = 8 * grid ± 1 (|q| <= 9), sc = 2s + 1 (per 32 weights: both 16-halves),
 // d / 8 — all exact.
-#include <cstdlib> /*DBG*/
 #include "backend/cpu/decoded.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
@@ -13,13 +12,8 @@
 namespace tf::cpu::iq1_s {
 
 namespace {
+using detail::ld16;
 constexpr size_t kBytes = 50;
-
-uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
 
 // Grid index of group l (0..3) of a sub-block: 8 low bits from qs, 3 high bits from qh.
 inline uint32_t grid_index(const uint8_t* qs, uint32_t h, int l) { return qs[l] | ((h >> (3 * l)) & 7u) << 8; }
@@ -83,14 +77,13 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 #if defined(TF_HAVE_X86_KERNELS)
 namespace {
-// Few columns (decode): a fused kernel, since decoding is the cost there. The grid values
+// A fused kernel, since decoding is the cost here. The grid values
 // g in {-1, 0, 1} become unsigned u = g + 1 for maddubs, and per 32-weight sub-block (s, the
 // shift sign e = ±1, P = sum u*x, S = sum x = two of the activation's 16-value bsums):
 //   sum 8*w/d * x = (2s + 1) * (8 * sum g*x + e * S) = 8(2s + 1) * P + (2s + 1)(e - 8) * S.
-// The S terms of all 8 sub-blocks are one madd of the bsums. Many columns (prefill) go to the
-// decoded-block driver, which decodes a block once for 64 columns.
-constexpr int64_t kFusedMaxCols = 1 << 30;
-
+// The S terms of all 8 sub-blocks are one madd of the bsums.
+// The fused kernel serves every column count on AVX2; AVX-512 CPUs use the decoded-block
+// driver.
 template <int NC>
 TF_TARGET_AVX2 void fused_row(const uint8_t* row, int64_t nb, const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
   const __m256i one = _mm256_set1_epi8(1);
@@ -136,8 +129,6 @@ TF_TARGET_AVX2 void fused_row(const uint8_t* row, int64_t nb, const uint8_t* xq,
 }  // namespace
 
 TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {
-  static const int64_t kDbgMax = getenv("IQ1_FUSED_MAX") ? atoll(getenv("IQ1_FUSED_MAX")) : kFusedMaxCols; /*DBG*/
-  if (ncols > kDbgMax) return detail::matmul_d256_avx2<decode_avx2, kBytes>(TF_MATMUL_ARGS);
   const auto* wb = static_cast<const uint8_t*>(w);
   const auto* xb = static_cast<const uint8_t*>(xq);
   const int64_t nb = k / 256;

@@ -15,18 +15,9 @@
 namespace tf::cpu::iq2_xxs {
 
 namespace {
+using detail::ld16;
+using detail::ld32;
 constexpr size_t kBytes = 66;
-
-uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-uint32_t ld32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int s = 0; s < 8; ++s) {
@@ -172,9 +163,6 @@ TF_TARGET_AVX2 inline void rows_fused(int64_t nb, const uint8_t* w, size_t ws, i
   }
 }
 
-// Up to kFusedCols columns: fused (decoding costs more than the dot here, so it is not
-// stored); wider: the shared driver, which decodes a block once for all columns.
-constexpr int64_t kFusedCols = 4;
 #endif
 }  // namespace
 
@@ -199,29 +187,6 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
   }
 }
 
-void scalar(TF_MATMUL_PARAMS) { detail::matmul_d256_scalar<decode_scalar, kBytes>(TF_MATMUL_ARGS); }
-
-#if defined(TF_HAVE_X86_KERNELS)
-TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {
-  const int64_t nb = k / 256;
-  const auto* wb = static_cast<const uint8_t*>(w);
-  const auto* xb = static_cast<const uint8_t*>(xq);
-  switch (ncols) {
-    case 1: return rows_fused<1>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
-    case 2: return rows_fused<2>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
-    case 3: return rows_fused<3>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
-    case 4: return rows_fused<4>(nb, wb, ws, r0, r1, xb, xs, y, ldy);
-    default: return detail::matmul_d256_avx2<decode_avx2, kBytes>(TF_MATMUL_ARGS);
-  }
-}
-
-// AVX-512 CPUs: the fused AVX2 loop for narrow products (its cost is the decoding, which
-// 512-bit registers do not shorten), the shared AVX-512 driver over the AVX2 decoder for
-// wide ones.
-TF_TARGET_AVX512 void avx512(TF_MATMUL_PARAMS) {
-  if (ncols <= kFusedCols) return avx2(TF_MATMUL_ARGS);
-  detail::matmul_d256_avx512<decode_avx2, kBytes>(TF_MATMUL_ARGS);
-}
-#endif
-
 }  // namespace tf::cpu::iq2_xxs
+
+TF_FUSED_DECODED_KERNELS(iq2_xxs, kBytes, decode_scalar, decode_avx2, rows_fused)

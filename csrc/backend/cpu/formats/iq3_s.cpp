@@ -13,14 +13,9 @@
 namespace tf::cpu::iq3_s {
 
 namespace {
+using detail::ld16;
 constexpr size_t kBytes = 110;
 constexpr int kQs = 2, kQh = 66, kSigns = 74, kScales = 106;
-
-uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
 
 inline uint32_t grid_entry(const uint8_t* b, int k) {
   return iq::kIq3sGrid[b[kQs + k] | ((b[kQh + k / 8] >> (k % 8)) & 1) << 8];

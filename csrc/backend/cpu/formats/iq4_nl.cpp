@@ -8,13 +8,8 @@
 namespace tf::cpu::iq4_nl {
 
 namespace {
+using detail::ld16;
 constexpr size_t kBytes = 18;
-
-uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
 
 void decode_scalar(const uint8_t* b, detail::Decoded32* u) {
   u->d = fp16_to_fp32(ld16(b));

@@ -10,7 +10,6 @@
 // drivers. Single-column GEMV (token generation) has its own fused AVX2 kernel: the block is
 // never stored; see gemv_avx2 below.
 #include <vector>
-#include <cstdlib>  // TEMP
 
 #include "backend/cpu/decoded.h"
 #include "core/half.h"
@@ -19,13 +18,8 @@
 namespace tf::cpu::iq4_xs {
 
 namespace {
+using detail::ld16;
 constexpr size_t kBytes = 136;
-
-uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
 
 int scale6(const uint8_t* b, int ib) {
   const int lo = (b[4 + ib / 2] >> (4 * (ib & 1))) & 0xF;
@@ -141,8 +135,7 @@ TF_TARGET_AVX2 void gemv_avx2(int64_t k, const uint8_t* w, size_t ws, int64_t r0
 }
 
 TF_TARGET_AVX2 void matmul_avx2(TF_MATMUL_PARAMS) {
-  static const bool gen = getenv("TF_IQ4XS_GENERIC") != nullptr;  // TEMP
-  if (ncols == 1 && !gen)
+  if (ncols == 1)
     gemv_avx2(k, static_cast<const uint8_t*>(w), ws, r0, r1, static_cast<const uint8_t*>(xq), y);
   else
     detail::matmul_d256_avx2<decode_avx2, kBytes>(TF_MATMUL_ARGS);

@@ -17,14 +17,9 @@
 namespace tf::cpu::tq1_0 {
 
 namespace {
+using detail::ld16;
 constexpr size_t kBytes = 54;
 constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
-
-uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
 
 // Weight i's code - 1 (in -1..1).
 int trit(const uint8_t* b, int i) {

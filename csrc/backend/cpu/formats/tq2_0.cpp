@@ -7,13 +7,8 @@
 namespace tf::cpu::tq2_0 {
 
 namespace {
+using detail::ld16;
 constexpr size_t kBytes = 66;
-
-uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int h = 0; h < 2; ++h)
