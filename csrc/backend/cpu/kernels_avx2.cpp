@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "backend/cpu/kernels_internal.h"
 #include "quant/blocks.h"
@@ -134,46 +135,281 @@ struct alignas(32) KU {
 
 constexpr int KC = 8;
 
+// k_scales() (kernels_scalar.cpp) for one type, without its per-block type switch and with
+// the 6-bit fields of Q3_K/Q4_K/Q5_K unpacked a word at a time.
+template <T_ T>
+inline void k_scales_avx2(const uint8_t* blk, KUnpacked* u) {
+  auto store16 = [](int16_t* dst, __m128i bytes, bool is_signed) {
+    const __m256i v = is_signed ? _mm256_cvtepi8_epi16(bytes) : _mm256_cvtepu8_epi16(bytes);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v);
+  };
+  if constexpr (T == T_::Q2_K) {
+    const auto* b = reinterpret_cast<const block_q2_K*>(blk);
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)), m4 = _mm_set1_epi8(0xF);
+    store16(u->sc, _mm_and_si128(s, m4), false);
+    store16(u->mn, _mm_and_si128(_mm_srli_epi16(s, 4), m4), false);
+    u->d = h2f(b->d);
+    u->dmin = h2f(b->dmin);
+  } else if constexpr (T == T_::Q3_K) {
+    // 16 six-bit scales: low nibbles in bytes 0..7, high 2-bit pairs in bytes 8..11.
+    const auto* b = reinterpret_cast<const block_q3_K*>(blk);
+    uint32_t a[3], out[4];
+    std::memcpy(a, b->scales, 12);
+    const uint32_t m2 = 0x03030303u, m4 = 0x0f0f0f0fu;
+    out[0] = (a[0] & m4) | ((a[2] & m2) << 4);
+    out[1] = (a[1] & m4) | (((a[2] >> 2) & m2) << 4);
+    out[2] = ((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4);
+    out[3] = ((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4);
+    const __m256i sc = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(out))),
+                                        _mm256_set1_epi16(32));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u->sc), sc);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u->mn), _mm256_slli_epi16(sc, 2));
+    u->d = u->dmin = h2f(b->d);
+  } else if constexpr (T == T_::Q4_K || T == T_::Q5_K) {
+    // Eight 6-bit scales and eight 6-bit mins in 12 bytes (scale_min_k4's layout): words
+    // w0, w1 hold the low 6 bits of scales/mins 0..3 and their top 2 bits for 4..7; w2 holds
+    // the low nibbles of scales 4..7 (low) and mins 4..7 (high).
+    const auto* b = reinterpret_cast<const std::conditional_t<T == T_::Q4_K, block_q4_K, block_q5_K>*>(blk);
+    uint32_t w[3], sm[4];
+    std::memcpy(w, b->scales, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    sm[0] = w[0] & m6;                                        // scales 0..3
+    sm[1] = (w[2] & m4) | (((w[0] >> 6) & m2) << 4);          // scales 4..7
+    sm[2] = w[1] & m6;                                        // mins 0..3
+    sm[3] = ((w[2] >> 4) & m4) | (((w[1] >> 6) & m2) << 4);   // mins 4..7
+    const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm));
+    store16(u->sc, _mm_shuffle_epi8(v, pairs), false);
+    store16(u->mn, _mm_shuffle_epi8(_mm_srli_si128(v, 8), pairs), false);
+    u->d = h2f(b->d);
+    u->dmin = h2f(b->dmin);
+  } else {
+    static_assert(T == T_::Q6_K);
+    const auto* b = reinterpret_cast<const block_q6_K*>(blk);
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b->scales)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u->sc), sc);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u->mn), _mm256_slli_epi16(sc, 5));
+    u->d = u->dmin = h2f(b->d);
+  }
+}
+
+// The 256 unsigned quant values of a K-quant block, as k_values() (kernels_scalar.cpp) lays
+// them out, unpacked 32 at a time into q[0..7]. 16-bit shifts followed by a byte mask never
+// mix bits of neighbouring bytes here: every field read is shift + width <= 8 bits in its byte.
+template <T_ T>
+inline void k_unpack_avx2(const uint8_t* blk, __m256i* q) {
+  auto ld = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  auto st = [q](int at, __m256i v) { q[at / 32] = v; };
+  auto field = [](__m256i v, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(char(mask)));
+  };
+  if constexpr (T == T_::Q2_K) {
+    const auto* b = reinterpret_cast<const block_q2_K*>(blk);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i x = ld(b->qs + 32 * h);
+      for (int j = 0; j < 4; ++j) st(128 * h + 32 * j, field(x, 2 * j, 3));
+    }
+  } else if constexpr (T == T_::Q3_K) {
+    const auto* b = reinterpret_cast<const block_q3_K*>(blk);
+    const __m256i hm = ld(b->hmask);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i x = ld(b->qs + 32 * h);
+      for (int j = 0; j < 4; ++j)
+        st(128 * h + 32 * j, _mm256_or_si256(field(x, 2 * j, 3), _mm256_slli_epi16(field(hm, 4 * h + j, 1), 2)));
+    }
+  } else if constexpr (T == T_::Q4_K) {
+    const auto* b = reinterpret_cast<const block_q4_K*>(blk);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i x = ld(b->qs + 32 * c);
+      st(64 * c, field(x, 0, 0xF));
+      st(64 * c + 32, field(x, 4, 0xF));
+    }
+  } else if constexpr (T == T_::Q5_K) {
+    const auto* b = reinterpret_cast<const block_q5_K*>(blk);
+    const __m256i qh = ld(b->qh);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i x = ld(b->qs + 32 * c);
+      st(64 * c, _mm256_or_si256(field(x, 0, 0xF), _mm256_slli_epi16(field(qh, 2 * c, 1), 4)));
+      st(64 * c + 32, _mm256_or_si256(field(x, 4, 0xF), _mm256_slli_epi16(field(qh, 2 * c + 1, 1), 4)));
+    }
+  } else {
+    static_assert(T == T_::Q6_K);
+    const auto* b = reinterpret_cast<const block_q6_K*>(blk);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i lo = ld(b->ql + 64 * h), hi = ld(b->ql + 64 * h + 32), qh = ld(b->qh + 32 * h);
+      for (int t = 0; t < 4; ++t) {
+        const __m256i low = field(t & 1 ? hi : lo, t < 2 ? 0 : 4, 0xF);
+        st(128 * h + 32 * t, _mm256_or_si256(low, _mm256_slli_epi16(field(qh, 2 * t, 3), 4)));
+      }
+    }
+  }
+}
+
+// Chunk i (values 32i .. 32i+31) of k_unpack_avx2, on its own: with i a constant after
+// unrolling, the decode kernel keeps one chunk in a register at a time.
+template <T_ T>
+inline __m256i k_chunk(const uint8_t* blk, int i) {
+  auto ld = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  auto field = [](__m256i v, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(char(mask)));
+  };
+  const int h = i / 4, j = i % 4;
+  if constexpr (T == T_::Q2_K) {
+    return field(ld(reinterpret_cast<const block_q2_K*>(blk)->qs + 32 * h), 2 * j, 3);
+  } else if constexpr (T == T_::Q3_K) {
+    const auto* b = reinterpret_cast<const block_q3_K*>(blk);
+    return _mm256_or_si256(field(ld(b->qs + 32 * h), 2 * j, 3), _mm256_slli_epi16(field(ld(b->hmask), 4 * h + j, 1), 2));
+  } else if constexpr (T == T_::Q4_K) {
+    return field(ld(reinterpret_cast<const block_q4_K*>(blk)->qs + 32 * (i / 2)), 4 * (i & 1), 0xF);
+  } else if constexpr (T == T_::Q5_K) {
+    const auto* b = reinterpret_cast<const block_q5_K*>(blk);
+    return _mm256_or_si256(field(ld(b->qs + 32 * (i / 2)), 4 * (i & 1), 0xF), _mm256_slli_epi16(field(ld(b->qh), i, 1), 4));
+  } else {
+    const auto* b = reinterpret_cast<const block_q6_K*>(blk);
+    const __m256i low = field(ld(b->ql + 64 * h + 32 * (j & 1)), j < 2 ? 0 : 4, 0xF);
+    return _mm256_or_si256(low, _mm256_slli_epi16(field(ld(b->qh + 32 * h), 2 * j, 3), 4));
+  }
+}
+
+// The scale of each maddubs lane of the eight 32-value chunks: chunk i's lanes 0..7 take the
+// scale of its first 16 values (sc[2i]), lanes 8..15 that of the second (sc[2i + 1]).
+alignas(32) constexpr uint8_t kScalePair[4][32] = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
+};
+inline void k_scale_vectors(const KUnpacked& u, __m256i* sc) {
+  const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
+  const __m256i lo = _mm256_permute2x128_si256(s, s, 0x00), hi = _mm256_permute2x128_si256(s, s, 0x11);
+  for (int i = 0; i < 4; ++i) {
+    const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePair[i]));
+    sc[i] = _mm256_shuffle_epi8(lo, pick);
+    sc[4 + i] = _mm256_shuffle_epi8(hi, pick);
+  }
+}
+
+// Up to four columns (decode): each block unpacked into registers and used at once, nothing
+// stored — for a GEMV the unpacking, not the dot product, is the cost.
+template <T_ T, int NC>
+void matmul_k_narrow(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_t r1, const uint8_t* xq,
+                     size_t xs, float* y, int64_t ldy) {
+  constexpr size_t bb = block_bytes<T>();
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* blk = w + size_t(r) * ws;
+    __m256 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, blk += bb) {
+      KUnpacked u;
+      k_scales_avx2<T>(blk, &u);
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
+      const __m256i sc_lo = _mm256_permute2x128_si256(s16, s16, 0x00), sc_hi = _mm256_permute2x128_si256(s16, s16, 0x11);
+      __m256i isum[NC];
+      for (int c = 0; c < NC; ++c) isum[c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const __m256i q = k_chunk<T>(blk, i);
+        const __m256i sc = _mm256_shuffle_epi8(i < 4 ? sc_lo : sc_hi,
+                                               _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePair[i % 4])));
+        for (int c = 0; c < NC; ++c) {
+          const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * i));
+          isum[c] = _mm256_add_epi32(isum[c], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sc));
+        }
+      }
+      const __m256i mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.mn));
+      for (int c = 0; c < NC; ++c) {
+        const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+        const __m256i s = isum[c];
+        const __m256i m = _mm256_madd_epi16(mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->bsums)));
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(u.d));
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(-u.dmin), t);
+        acc[c] = _mm256_fmadd_ps(t, _mm256_set1_ps(a->d), acc[c]);
+      }
+    }
+    for (int c = 0; c < NC; ++c) y[c * ldy + r] = hsum8(acc[c]);
+  }
+}
+
+// NC columns (xq, xs bytes apart) against kcb unpacked blocks of one row, starting at block
+// b0 of the activations; y[c * ldy] receives (first) or accumulates the partial dots.
+template <int NC>
+inline void k_tile(const KU* ku, int kcb, const uint8_t* xq, size_t xs, int64_t b0, float* y, int64_t ldy,
+                   bool first) {
+  __m256 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int b = 0; b < kcb; ++b) {
+    const ActK* a[NC];
+    __m256i s[NC];
+    for (int c = 0; c < NC; ++c) {
+      a[c] = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0 + b;
+      s[c] = _mm256_setzero_si256();
+    }
+    for (int i = 0; i < 8; ++i) {
+      const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(ku[b].q + 32 * i));
+      for (int c = 0; c < NC; ++c) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->qs + 32 * i));
+        s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ku[b].sc[i]));
+      }
+    }
+    for (int c = 0; c < NC; ++c) {
+      const __m256i m = _mm256_madd_epi16(ku[b].mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->bsums)));
+      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s[c]), _mm256_set1_ps(ku[b].d));
+      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(ku[b].ndmin), t);
+      acc[c] = _mm256_fmadd_ps(t, _mm256_set1_ps(a[c]->d), acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    const float v = hsum8(acc[c]);
+    y[c * ldy] = first ? v : y[c * ldy] + v;
+  }
+}
+
 template <T_ T>
 void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, const void* xv,
               size_t xs, int64_t ncols, float* y, int64_t ldy) {
   const uint8_t* w = static_cast<const uint8_t*>(wv);
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
   const int64_t nb = k / 256;
+  switch (ncols) {
+    case 1: return matmul_k_narrow<T, 1>(nb, w, ws, r0, r1, xq, xs, y, ldy);
+    case 2: return matmul_k_narrow<T, 2>(nb, w, ws, r0, r1, xq, xs, y, ldy);
+    case 3: return matmul_k_narrow<T, 3>(nb, w, ws, r0, r1, xq, xs, y, ldy);
+    case 4: return matmul_k_narrow<T, 4>(nb, w, ws, r0, r1, xq, xs, y, ldy);
+    default: break;
+  }
+  // Wider (prefill): in column blocks whose activations stay in L2, each row's blocks are
+  // unpacked a chunk at a time into KU buffers and met by the columns four at a time (one
+  // load of the unpacked values serves four maddubs).
   constexpr size_t bb = block_bytes<T>();
+  constexpr int64_t kColBlock = 64;
   KU ku[KC];
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t b0 = 0; b0 < nb; b0 += KC) {
-      const int kcb = int(std::min<int64_t>(KC, nb - b0));
-      for (int b = 0; b < kcb; ++b) {
-        const uint8_t* blk = w + size_t(r) * ws + size_t(b0 + b) * bb;
-        KUnpacked u;
-        k_scales(T, blk, &u);
-        k_values(T, blk, ku[b].q);
-        for (int i = 0; i < 8; ++i)
-          ku[b].sc[i] = _mm256_set_m128i(_mm_set1_epi16(u.sc[2 * i + 1]), _mm_set1_epi16(u.sc[2 * i]));
-        ku[b].mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.mn));
-        ku[b].d = u.d;
-        ku[b].ndmin = -u.dmin;
-      }
-      for (int64_t c = 0; c < ncols; ++c) {
-        const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0;
-        __m256 acc = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < ncols; c0 += kColBlock) {
+    const int64_t nc = std::min(kColBlock, ncols - c0);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b0 = 0; b0 < nb; b0 += KC) {
+        const int kcb = int(std::min<int64_t>(KC, nb - b0));
         for (int b = 0; b < kcb; ++b) {
-          __m256i s = _mm256_setzero_si256();
-          for (int i = 0; i < 8; ++i) {
-            const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(ku[b].q + 32 * i));
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs + 32 * i));
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ku[b].sc[i]));
-          }
-          const __m256i m = _mm256_madd_epi16(ku[b].mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].bsums)));
-          __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(ku[b].d));
-          t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(ku[b].ndmin), t);
-          acc = _mm256_fmadd_ps(t, _mm256_set1_ps(a[b].d), acc);
+          const uint8_t* blk = w + size_t(r) * ws + size_t(b0 + b) * bb;
+          KUnpacked u;
+          k_scales_avx2<T>(blk, &u);
+          __m256i q[8];
+          k_unpack_avx2<T>(blk, q);
+          for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(ku[b].q + 32 * i), q[i]);
+          k_scale_vectors(u, ku[b].sc);
+          ku[b].mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.mn));
+          ku[b].d = u.d;
+          ku[b].ndmin = -u.dmin;
         }
-        float& dst = y[c * ldy + r];
-        const float v = hsum8(acc);
-        dst = b0 == 0 ? v : dst + v;
+        const bool first = b0 == 0;
+        int64_t c = c0;
+        for (; c + 4 <= c0 + nc; c += 4) k_tile<4>(ku, kcb, xq + size_t(c) * xs, xs, b0, y + c * ldy + r, ldy, first);
+        switch (c0 + nc - c) {
+          case 1: k_tile<1>(ku, kcb, xq + size_t(c) * xs, xs, b0, y + c * ldy + r, ldy, first); break;
+          case 2: k_tile<2>(ku, kcb, xq + size_t(c) * xs, xs, b0, y + c * ldy + r, ldy, first); break;
+          case 3: k_tile<3>(ku, kcb, xq + size_t(c) * xs, xs, b0, y + c * ldy + r, ldy, first); break;
+          default: break;
+        }
       }
     }
   }

@@ -9,6 +9,7 @@ namespace tf::cpu {
 
 #if defined(TF_HAVE_X86_KERNELS)
 const VecOps* vec_ops_avx512_table();  // vec_ops_avx512.cpp
+const VecOps* vec_ops_avx2_table();    // vec_ops_avx2.cpp
 #endif
 
 namespace {
@@ -65,6 +66,7 @@ const VecOps& vec_ops() {
   static const VecOps* ops = [] {
 #if defined(TF_HAVE_X86_KERNELS)
     if (best_isa() == CpuIsa::Avx512) return vec_ops_avx512_table();
+    if (best_isa() == CpuIsa::Avx2) return vec_ops_avx2_table();
 #endif
     return &kScalar;
   }();

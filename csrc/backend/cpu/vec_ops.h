@@ -1,5 +1,5 @@
 // Small vector primitives used by attention, norms and activations, dispatched at run time
-// (AVX-512 or portable scalar). The scalar versions in vec_ops.cpp are the reference.
+// (AVX-512, AVX2 or portable scalar). The scalar versions in vec_ops.cpp are the reference.
 #pragma once
 #include <cstdint>
 

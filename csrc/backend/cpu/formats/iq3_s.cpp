@@ -46,25 +46,71 @@ TF_TARGET_AVX2 inline __m256i bit_mask32(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(w, select), select);
 }
 
-TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
+// The grid magnitudes of sub-block s (weights 32s .. 32s+31): eight 9-bit indices, the low
+// bytes from one 64-bit load and the 9th bits from qh[s]; scalar loads from the 2 KB grid.
+TF_TARGET_AVX2 inline __m256i magnitudes(const uint8_t* b, int s) {
   const uint32_t* g = iq::kIq3sGrid;
-  for (int s = 0; s < 8; ++s) {
-    // Eight 9-bit indices: low bytes from one 64-bit load, the 9th bits from qh[s].
-    uint64_t lo;
-    std::memcpy(&lo, b + kQs + 8 * s, 8);
-    const unsigned hi = b[kQh + s];
-    auto idx = [&](int j) { return unsigned((lo >> (8 * j)) & 0xFF) | ((hi >> j) & 1u) << 8; };
-    const __m256i mag = _mm256_setr_epi32(int(g[idx(0)]), int(g[idx(1)]), int(g[idx(2)]), int(g[idx(3)]),
-                                          int(g[idx(4)]), int(g[idx(5)]), int(g[idx(6)]), int(g[idx(7)]));
-    uint32_t bits;
-    std::memcpy(&bits, b + kSigns + 4 * s, 4);
-    const __m256i neg = bit_mask32(bits);
-    // (mag ^ neg) - neg negates the bytes whose mask is 0xFF.
-    _mm256_store_si256(reinterpret_cast<__m256i*>(u->q + 32 * s),
-                       _mm256_sub_epi8(_mm256_xor_si256(mag, neg), neg));
-  }
+  uint64_t lo;
+  std::memcpy(&lo, b + kQs + 8 * s, 8);
+  const unsigned hi = b[kQh + s];
+  auto idx = [&](int j) { return unsigned((lo >> (8 * j)) & 0xFF) | ((hi >> j) & 1u) << 8; };
+  return _mm256_setr_epi32(int(g[idx(0)]), int(g[idx(1)]), int(g[idx(2)]), int(g[idx(3)]), int(g[idx(4)]),
+                           int(g[idx(5)]), int(g[idx(6)]), int(g[idx(7)]));
+}
+
+// 0xFF in the bytes of sub-block s's negative weights.
+TF_TARGET_AVX2 inline __m256i negatives(const uint8_t* b, int s) {
+  uint32_t bits;
+  std::memcpy(&bits, b + kSigns + 4 * s, 4);
+  return bit_mask32(bits);
+}
+
+// (v ^ neg) - neg negates the bytes whose mask is 0xFF.
+TF_TARGET_AVX2 inline __m256i apply_sign(__m256i v, __m256i neg) {
+  return _mm256_sub_epi8(_mm256_xor_si256(v, neg), neg);
+}
+
+TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
+  for (int s = 0; s < 8; ++s)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u->q + 32 * s), apply_sign(magnitudes(b, s), negatives(b, s)));
   for (int s = 0; s < 8; ++s) u->sc[2 * s] = u->sc[2 * s + 1] = int16_t(1 + 2 * scale_u(b, s));
   u->d = _cvtsh_ss(ld16(b));
+}
+
+// Narrow products (decode): per sub-block the magnitudes and signs stay in registers, the
+// signs go onto each column's activations and maddubs(magnitude, signed x) feeds the sums.
+template <int NC>
+TF_TARGET_AVX2 inline void rows_fused(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_t r1,
+                                      const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
+  using detail::ActK;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* blk = w + size_t(r) * ws;
+    __m256 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, blk += kBytes) {
+      if (NC == 1) {
+        _mm_prefetch(reinterpret_cast<const char*>(blk + detail::kDecodedPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + detail::kDecodedPrefetch + 64), _MM_HINT_T0);
+      }
+      __m256i sum[NC];
+      for (int c = 0; c < NC; ++c) sum[c] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i g = magnitudes(blk, s), neg = negatives(blk, s);
+        const __m256i sc = _mm256_set1_epi16(int16_t(1 + 2 * scale_u(blk, s)));
+        for (int c = 0; c < NC; ++c) {
+          const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * s));
+          sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(_mm256_maddubs_epi16(g, apply_sign(x, neg)), sc));
+        }
+      }
+      const float d = _cvtsh_ss(ld16(blk));
+      for (int c = 0; c < NC; ++c) {
+        const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(d * a->d), acc[c]);
+      }
+    }
+    for (int c = 0; c < NC; ++c) y[c * ldy + r] = detail::hsum8_avx2(acc[c]);
+  }
 }
 #else
 constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
@@ -90,4 +136,4 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 }  // namespace tf::cpu::iq3_s
 
-TF_DECODED_KERNELS(iq3_s, 256, kBytes, decode_scalar, decode_avx2)
+TF_FUSED_DECODED_KERNELS(iq3_s, kBytes, decode_scalar, decode_avx2, rows_fused)
