@@ -126,17 +126,66 @@ TF_TARGET_AVX2 inline void prefetch_block(const uint8_t* p, size_t bytes) {
 
 // ---- AVX2, 256-value blocks -----------------------------------------------------------
 
-// Sum over one decoded block of sc[j] * sum(q * x), as 8 int32 lanes. maddubs(|q|, sign(x, q))
-// gives q*x pairs without saturation (|q|, |x| <= 127).
-TF_TARGET_AVX2 inline __m256i d256_dot_avx2(const Decoded256& u, const __m256i* scv, const int8_t* x) {
-  __m256i s = _mm256_setzero_si256();
+// One decoded block ready for maddubs: |q|, q itself (whose signs go onto the activations:
+// maddubs(|q|, sign(x, q)) = q*x pairs without saturation, |q|, |x| <= 127) and the scale of
+// each int16 lane (lanes 0..7 of vector i: sub-block 2i, lanes 8..15: sub-block 2i + 1).
+struct alignas(32) D256Ymm {
+  __m256i aq[8], q[8], sc[8];
+  float d;
+};
+
+alignas(32) inline const uint8_t kD256ScPair[4][32] = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
+};
+
+TF_TARGET_AVX2 inline void d256_to_ymm(const Decoded256& u, D256Ymm& z) {
+  const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
+  const __m256i lo = _mm256_permute2x128_si256(s, s, 0x00), hi = _mm256_permute2x128_si256(s, s, 0x11);
   for (int i = 0; i < 8; ++i) {
     const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * i));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i));
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q));
-    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scv[i]));
+    z.q[i] = q;
+    z.aq[i] = _mm256_sign_epi8(q, q);
+    z.sc[i] = _mm256_shuffle_epi8(i < 4 ? lo : hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(kD256ScPair[i % 4])));
   }
-  return s;
+  z.d = u.d;
+}
+
+// NC columns (xq, xs bytes apart) against kcb prepared blocks of one row, from activation
+// block b0; y[c * ldy] receives (first) or accumulates the partial dots. Each |q|, q and scale
+// load serves all NC columns.
+template <int NC>
+TF_TARGET_AVX2 inline void d256_tile_avx2(const D256Ymm* z, int kcb, const uint8_t* xq, size_t xs, int64_t b0,
+                                          float* y, int64_t ldy, bool first) {
+  __m256 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int b = 0; b < kcb; ++b) {
+    const ActK* a[NC];
+    __m256i s[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) {
+      a[c] = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0 + b;
+      s[c] = _mm256_setzero_si256();
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->qs + 32 * i));
+        const __m256i p = _mm256_maddubs_epi16(z[b].aq[i], _mm256_sign_epi8(x, z[b].q[i]));
+        s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(p, z[b].sc[i]));
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c)
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_set1_ps(z[b].d * a[c]->d), acc[c]);
+  }
+  for (int c = 0; c < NC; ++c) {
+    const float v = hsum8_avx2(acc[c]);
+    y[c * ldy] = first ? v : y[c * ldy] + v;
+  }
 }
 
 template <Decode256Fn Decode, size_t kBytes>
@@ -145,30 +194,29 @@ TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* wv, size_t ws, int64
   const uint8_t* w = static_cast<const uint8_t*>(wv);
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
   const int64_t nb = k / 256;
-  Decoded256 u[kDecodedChunk];
-  __m256i scv[kDecodedChunk][8];
+  Decoded256 u;
+  D256Ymm z[kDecodedChunk];
   for (int64_t c0 = 0; c0 < ncols; c0 += kDecodedColBlock) {
     const int64_t nc = std::min(kDecodedColBlock, ncols - c0);
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* row = w + size_t(r) * ws;
+      float* yr = y + r;
       for (int64_t b0 = 0; b0 < nb; b0 += kDecodedChunk) {
         const int kcb = int(std::min<int64_t>(kDecodedChunk, nb - b0));
         for (int b = 0; b < kcb; ++b) {
           const uint8_t* blk = row + size_t(b0 + b) * kBytes;
           if (ncols == 1) prefetch_block(blk, kBytes);
-          Decode(blk, &u[b]);
-          for (int i = 0; i < 8; ++i)
-            scv[b][i] = _mm256_set_m128i(_mm_set1_epi16(u[b].sc[2 * i + 1]), _mm_set1_epi16(u[b].sc[2 * i]));
+          Decode(blk, &u);
+          d256_to_ymm(u, z[b]);
         }
-        for (int64_t c = c0; c < c0 + nc; ++c) {
-          const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0;
-          __m256 acc = _mm256_setzero_ps();
-          for (int b = 0; b < kcb; ++b)
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d256_dot_avx2(u[b], scv[b], a[b].qs)),
-                                  _mm256_set1_ps(u[b].d * a[b].d), acc);
-          float& dst = y[c * ldy + r];
-          const float v = hsum8_avx2(acc);
-          dst = b0 == 0 ? v : dst + v;
+        const bool first = b0 == 0;
+        int64_t c = c0;
+        for (; c + 4 <= c0 + nc; c += 4) d256_tile_avx2<4>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first);
+        switch (c0 + nc - c) {
+          case 1: d256_tile_avx2<1>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+          case 2: d256_tile_avx2<2>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+          case 3: d256_tile_avx2<3>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+          default: break;
         }
       }
     }

@@ -341,17 +341,21 @@ inline void k_tile(const KU* ku, int kcb, const uint8_t* xq, size_t xs, int64_t 
   for (int b = 0; b < kcb; ++b) {
     const ActK* a[NC];
     __m256i s[NC];
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) {
       a[c] = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0 + b;
       s[c] = _mm256_setzero_si256();
     }
+#pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(ku[b].q + 32 * i));
+#pragma GCC unroll 4
       for (int c = 0; c < NC; ++c) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->qs + 32 * i));
         s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ku[b].sc[i]));
       }
     }
+#pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) {
       const __m256i m = _mm256_madd_epi16(ku[b].mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->bsums)));
       __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s[c]), _mm256_set1_ps(ku[b].d));
