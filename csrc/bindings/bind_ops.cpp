@@ -28,15 +28,17 @@ void bind_ops(py::module_& m) {
               k_pages.shape(1) != v_pages.shape(1) || k_pages.shape(2) != v_pages.shape(2))
             throw py::value_error("k_pages and v_pages must both be [pages, block_size, head_dim]");
           const int64_t pages = k_pages.shape(0), bs = k_pages.shape(1), D = k_pages.shape(2);
-          if (q.size() != D) throw py::value_error("q must have head_dim elements");
+          // q: one head (head_dim values) or several sharing the KV head ([n_heads, head_dim]).
+          if (q.size() % D != 0 || q.size() == 0) throw py::value_error("q must be [n_heads, head_dim]");
+          const int64_t G = q.size() / D;
           if (n < 1 || n > table.size() * bs) throw py::value_error("n exceeds the pages in the table");
           for (int64_t i = 0; i < table.size(); ++i)
             if (table.data()[i] < 0 || table.data()[i] >= pages) throw py::value_error("table entry out of range");
-          py::array_t<float> out(D);
+          py::array_t<float> out(q.ndim() == 2 ? std::vector<py::ssize_t>{G, D} : std::vector<py::ssize_t>{D});
           {
             py::gil_scoped_release nogil;
             const cpu::PagedKv kv{k_pages.data(), v_pages.data(), size_t(bs * D), table.data(), int(bs)};
-            cpu::paged_attention(q.data(), int(D), kv, n, scale, out.mutable_data());
+            cpu::paged_attention(q.data(), int(G), int(D), kv, n, scale, out.mutable_data());
           }
           return out;
         },

@@ -784,22 +784,23 @@ inline void head_rmsnorm(float* v, const float* w, int n, float eps) {
 
 void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv,
                            ThreadPool& pool) {
-  const int H = int(hl_), D = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv;
+  const int H = int(hl_), D = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv, HK = H / group;
   const int64_t T = int64_t(batch.size());
   const float scale = 1.0f / std::sqrt(float(D));
-  const int64_t items = T * H;
-  // (token, head) items in contiguous runs, many more runs than threads: causal prefill's
-  // triangular cost evens out because threads claim runs as they come free.
+  // One item per (token, KV head): the `group` query heads that share the KV head read its
+  // pages together. Items go in contiguous runs, many more runs than threads: causal
+  // prefill's triangular cost evens out because threads claim runs as they come free.
+  const int64_t items = T * HK;
   const int64_t runs = std::min<int64_t>(items, int64_t(pool.size()) * 16);
   pool.run_chunks(runs, [&](int64_t r, int) {
     for (int64_t it = r * items / runs; it < (r + 1) * items / runs; ++it) {
-      const int64_t t = it / H;
-      const int h = int(it % H), g = h / group;
+      const int64_t t = it / HK;
+      const int g = int(it % HK);
       const BatchToken& bt = batch[size_t(t)];
       const cpu::PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
                                kv.block_table(bt.seq).data(), kv.block_size(), kv.type() == KvType::F32};
-      cpu::paged_attention(q_.data() + (t * H + h) * D, D, pages, int64_t(bt.pos) + 1, scale,
-                           attn_.data() + (t * H + h) * D);
+      const int64_t at = (t * H + int64_t(g) * group) * D;
+      cpu::paged_attention(q_.data() + at, group, D, pages, int64_t(bt.pos) + 1, scale, attn_.data() + at);
     }
   });
 }

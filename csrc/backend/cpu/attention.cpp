@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "backend/cpu/vec_ops.h"
 #include "core/error.h"
@@ -11,58 +12,74 @@ namespace tf::cpu {
 
 namespace {
 constexpr int kMaxHeadDim = 512;
+constexpr int kMaxGroup = 64;  // query heads per KV head
 }
 
-void paged_attention(const float* q, int D, const PagedKv& kv, int64_t n, float scale, float* out) {
-  TF_CHECK(D > 0 && D <= kMaxHeadDim && n > 0, "paged_attention: bad sizes");
+void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n, float scale, float* out) {
+  TF_CHECK(G > 0 && G <= kMaxGroup && D > 0 && D <= kMaxHeadDim && n > 0, "paged_attention: bad sizes");
   const VecOps& ops = vec_ops();
   const int bs = kv.block_size;
-  float qr[kMaxHeadDim];
-  for (int i = 0; i < D; ++i) qr[i] = kv.f32 ? q[i] : fp16_to_fp32(fp32_to_fp16(q[i]));
-  // Online softmax over tiles of kAttentionTile positions: the running maximum `mx` and the
-  // running sum of exp(s - mx) are rescaled whenever a tile raises the maximum, so scratch
-  // stays one tile whatever the context length.
-  float scores[kAttentionTile];
-  float mx = -INFINITY;
-  double sum = 0.0;
-  std::fill(out, out + D, 0.f);
-  int64_t b = 0;       // page index of position j0
-  int64_t in_page = 0; // offset of position j0 inside its page
+  // Per-thread scratch, bounded by the tile whatever n is: the G rounded queries, a tile of
+  // K (then V) rows converted to float once for all G heads, and the G heads' tile scores.
+  thread_local std::vector<float> scratch;
+  const size_t need = size_t(G) * D + size_t(kAttentionTile) * D + size_t(G) * kAttentionTile;
+  if (scratch.size() < need) scratch.resize(need);
+  float* qr = scratch.data();
+  float* rows = qr + size_t(G) * D;
+  float* scores = rows + size_t(kAttentionTile) * D;
+  for (int i = 0; i < G * D; ++i) qr[i] = kv.f32 ? q[i] : fp16_to_fp32(fp32_to_fp16(q[i]));
+  // Online softmax over tiles of kAttentionTile positions: each head's running maximum and
+  // running sum of exp(s - max) are rescaled whenever a tile raises that head's maximum.
+  float mx[kMaxGroup];
+  double sum[kMaxGroup];
+  std::fill(mx, mx + G, -INFINITY);
+  std::fill(sum, sum + G, 0.0);
+  std::fill(out, out + size_t(G) * D, 0.f);
+  // Row j of the tile: in the cache (float) or converted into `rows` (half).
+  const float* row_ptr[kAttentionTile];
+  auto gather = [&](const void* base, int64_t j0, int64_t m) {
+    int64_t b = j0 / bs, in_page = j0 % bs;
+    for (int64_t j = 0; j < m; ++j) {
+      const size_t at = size_t(kv.table[b]) * kv.page_stride + size_t(in_page) * size_t(D);
+      if (kv.f32) {
+        row_ptr[j] = static_cast<const float*>(base) + at;
+      } else {
+        ops.f16_to_f32(D, static_cast<const uint16_t*>(base) + at, rows + j * D);
+        row_ptr[j] = rows + j * D;
+      }
+      if (++in_page == bs) { in_page = 0; ++b; }
+    }
+  };
   for (int64_t j0 = 0; j0 < n; j0 += kAttentionTile) {
     const int64_t m = std::min<int64_t>(kAttentionTile, n - j0);
-    // Scores of the tile; remember where the tile starts in the pages for the V pass.
-    const int64_t b_start = b, in_start = in_page;
-    float tile_max = -INFINITY;
-    for (int64_t j = 0; j < m; ++j) {
-      const size_t row = size_t(kv.table[b]) * kv.page_stride + size_t(in_page) * size_t(D);
-      const float s = (kv.f32 ? ops.dot_f32(D, qr, static_cast<const float*>(kv.k_base) + row)
-                              : ops.dot_f32_f16(D, qr, static_cast<const uint16_t*>(kv.k_base) + row)) *
-                      scale;
-      scores[j] = s;
-      tile_max = std::max(tile_max, s);
-      if (++in_page == bs) { in_page = 0; ++b; }
-    }
-    if (tile_max > mx) {
-      if (j0 > 0) {
-        const float r = std::exp(mx - tile_max);
-        ops.scale(D, out, r);
-        sum *= double(r);
+    gather(kv.k_base, j0, m);
+    for (int h = 0; h < G; ++h) {
+      float* sc = scores + size_t(h) * kAttentionTile;
+      float tile_max = -INFINITY;
+      for (int64_t j = 0; j < m; ++j) {
+        sc[j] = ops.dot_f32(D, qr + size_t(h) * D, row_ptr[j]) * scale;
+        tile_max = std::max(tile_max, sc[j]);
       }
-      mx = tile_max;
+      if (tile_max > mx[h]) {
+        if (j0 > 0) {
+          const float r = std::exp(mx[h] - tile_max);
+          ops.scale(D, out + size_t(h) * D, r);
+          sum[h] *= double(r);
+        }
+        mx[h] = tile_max;
+      }
+      sum[h] += double(ops.exp_sub_sum(m, sc, mx[h]));
+      // With a half cache the probabilities are rounded to half (llama.cpp's numerics).
+      if (!kv.f32)
+        for (int64_t j = 0; j < m; ++j) sc[j] = fp16_to_fp32(fp32_to_fp16(sc[j]));
     }
-    sum += double(ops.exp_sub_sum(m, scores, mx));
-    b = b_start;
-    in_page = in_start;
-    for (int64_t j = 0; j < m; ++j) {
-      const size_t row = size_t(kv.table[b]) * kv.page_stride + size_t(in_page) * size_t(D);
-      if (kv.f32)
-        ops.axpy_f32(D, scores[j], static_cast<const float*>(kv.v_base) + row, out);
-      else
-        ops.axpy_f16(D, fp16_to_fp32(fp32_to_fp16(scores[j])), static_cast<const uint16_t*>(kv.v_base) + row, out);
-      if (++in_page == bs) { in_page = 0; ++b; }
+    gather(kv.v_base, j0, m);
+    for (int h = 0; h < G; ++h) {
+      const float* sc = scores + size_t(h) * kAttentionTile;
+      for (int64_t j = 0; j < m; ++j) ops.axpy_f32(D, sc[j], row_ptr[j], out + size_t(h) * D);
     }
   }
-  ops.scale(D, out, float(1.0 / sum));
+  for (int h = 0; h < G; ++h) ops.scale(D, out + size_t(h) * D, float(1.0 / sum[h]));
 }
 
 }  // namespace tf::cpu

@@ -16,12 +16,15 @@ struct PagedKv {
   bool f32 = false;         // rows stored as float instead of half
 };
 
-// Positions scored at a time; the kernel's only scratch (on the stack), whatever n is.
+// Positions scored at a time: the kernel's scratch (per thread) is a tile, whatever n is.
 constexpr int kAttentionTile = 256;
 
-// out[0..D) = softmax(q . K[0..n) * scale) . V[0..n), computed tile by tile (online
-// softmax). With a half cache, q and the unnormalised probabilities are rounded to half
-// (llama.cpp's F16 KV numerics); with a float cache everything stays in float.
-void paged_attention(const float* q, int head_dim, const PagedKv& kv, int64_t n, float scale, float* out);
+// For each of the n_heads query heads that share this KV head (GQA; q and out: n_heads rows
+// of head_dim): out[h] = softmax(q[h] . K[0..n) * scale) . V[0..n), computed tile by tile
+// (online softmax). A half cache's rows are converted to float once per tile for all heads.
+// With a half cache, q and the unnormalised probabilities are rounded to half (llama.cpp's
+// F16 KV numerics); with a float cache everything stays in float.
+void paged_attention(const float* q, int n_heads, int head_dim, const PagedKv& kv, int64_t n, float scale,
+                     float* out);
 
 }  // namespace tf::cpu

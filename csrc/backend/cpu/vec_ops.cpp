@@ -55,8 +55,13 @@ void axpy_f32_scalar(int64_t n, float alpha, const float* x, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
+void f16_to_f32_scalar(int64_t n, const uint16_t* x, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
+}
+
 const VecOps kScalar = {dot_f32_f16_scalar, axpy_f16_scalar, f32_to_f16_scalar, exp_sub_sum_scalar,
-                        silu_mul_scalar,    scale_scalar,    dot_f32_scalar,    axpy_f32_scalar};
+                        silu_mul_scalar,    scale_scalar,    dot_f32_scalar,    axpy_f32_scalar,
+                        f16_to_f32_scalar};
 
 }  // namespace
 

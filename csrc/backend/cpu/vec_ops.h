@@ -21,6 +21,8 @@ struct VecOps {
   // f32 versions of dot / axpy (the F32 KV cache)
   float (*dot_f32)(int64_t n, const float* a, const float* b);
   void (*axpy_f32)(int64_t n, float alpha, const float* x, float* y);
+  // y = float(x), x stored as half (exact)
+  void (*f16_to_f32)(int64_t n, const uint16_t* x, float* y);
 };
 
 const VecOps& vec_ops();

@@ -125,7 +125,13 @@ void axpy_f32(int64_t n, float alpha, const float* x, float* y) {
   for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
-const VecOps kAvx2 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum, silu_mul, scale, dot_f32, axpy_f32};
+void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, load_h8(x + i));
+  for (; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
+}
+
+const VecOps kAvx2 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum, silu_mul, scale, dot_f32, axpy_f32, f16_to_f32};
 
 }  // namespace
 

@@ -135,7 +135,14 @@ void axpy_f32(int64_t n, float alpha, const float* x, float* y) {
   }
 }
 
-const VecOps kAvx512 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum, silu_mul, scale, dot_f32, axpy_f32};
+void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + i))));
+  for (; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
+}
+
+const VecOps kAvx512 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum, silu_mul, scale, dot_f32, axpy_f32,
+                        f16_to_f32};
 
 }  // namespace
 
