@@ -382,11 +382,12 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
     case 4: return matmul_k_narrow<T, 4>(nb, w, ws, r0, r1, xq, xs, y, ldy);
     default: break;
   }
-  // Wider (prefill): in column blocks whose activations stay in L2, each row's blocks are
+  // Wider (prefill): in column blocks whose activations stay near L1 (16 columns; unpacking
+  // again per block costs less than streaming them from L2), each row's blocks are
   // unpacked a chunk at a time into KU buffers and met by the columns four at a time (one
   // load of the unpacked values serves four maddubs).
   constexpr size_t bb = block_bytes<T>();
-  constexpr int64_t kColBlock = 64;
+  constexpr int64_t kColBlock = 16;
   KU ku[KC];
   for (int64_t c0 = 0; c0 < ncols; c0 += kColBlock) {
     const int64_t nc = std::min(kColBlock, ncols - c0);
