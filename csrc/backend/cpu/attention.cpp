@@ -53,13 +53,16 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
   for (int64_t j0 = 0; j0 < n; j0 += kAttentionTile) {
     const int64_t m = std::min<int64_t>(kAttentionTile, n - j0);
     gather(kv.k_base, j0, m);
+    // Scores: each K row against all G queries at once (independent dot chains).
+    float dots[kMaxGroup];
+    for (int64_t j = 0; j < m; ++j) {
+      ops.dot_rows_f32(D, qr, D, G, row_ptr[j], dots);
+      for (int h = 0; h < G; ++h) scores[size_t(h) * kAttentionTile + size_t(j)] = dots[h] * scale;
+    }
     for (int h = 0; h < G; ++h) {
       float* sc = scores + size_t(h) * kAttentionTile;
       float tile_max = -INFINITY;
-      for (int64_t j = 0; j < m; ++j) {
-        sc[j] = ops.dot_f32(D, qr + size_t(h) * D, row_ptr[j]) * scale;
-        tile_max = std::max(tile_max, sc[j]);
-      }
+      for (int64_t j = 0; j < m; ++j) tile_max = std::max(tile_max, sc[j]);
       if (tile_max > mx[h]) {
         if (j0 > 0) {
           const float r = std::exp(mx[h] - tile_max);
@@ -70,13 +73,17 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
       }
       sum[h] += double(ops.exp_sub_sum(m, sc, mx[h]));
       // With a half cache the probabilities are rounded to half (llama.cpp's numerics).
-      if (!kv.f32)
-        for (int64_t j = 0; j < m; ++j) sc[j] = fp16_to_fp32(fp32_to_fp16(sc[j]));
+      if (!kv.f32) {
+        uint16_t half[kAttentionTile];
+        ops.f32_to_f16(m, sc, half);
+        ops.f16_to_f32(m, half, sc);
+      }
     }
     gather(kv.v_base, j0, m);
-    for (int h = 0; h < G; ++h) {
-      const float* sc = scores + size_t(h) * kAttentionTile;
-      for (int64_t j = 0; j < m; ++j) ops.axpy_f32(D, sc[j], row_ptr[j], out + size_t(h) * D);
+    float p[kMaxGroup];
+    for (int64_t j = 0; j < m; ++j) {
+      for (int h = 0; h < G; ++h) p[h] = scores[size_t(h) * kAttentionTile + size_t(j)];
+      ops.axpy_rows_f32(D, p, G, row_ptr[j], out, D);
     }
   }
   for (int h = 0; h < G; ++h) ops.scale(D, out + size_t(h) * D, float(1.0 / sum[h]));

@@ -59,9 +59,17 @@ void f16_to_f32_scalar(int64_t n, const uint16_t* x, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
 }
 
+void dot_rows_f32_scalar(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out) {
+  for (int h = 0; h < m; ++h) out[h] = dot_f32_scalar(n, a + h * lda, b);
+}
+
+void axpy_rows_f32_scalar(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy) {
+  for (int h = 0; h < m; ++h) axpy_f32_scalar(n, alpha[h], x, y + h * ldy);
+}
+
 const VecOps kScalar = {dot_f32_f16_scalar, axpy_f16_scalar, f32_to_f16_scalar, exp_sub_sum_scalar,
                         silu_mul_scalar,    scale_scalar,    dot_f32_scalar,    axpy_f32_scalar,
-                        f16_to_f32_scalar};
+                        f16_to_f32_scalar,  dot_rows_f32_scalar, axpy_rows_f32_scalar};
 
 }  // namespace
 

@@ -23,6 +23,11 @@ struct VecOps {
   void (*axpy_f32)(int64_t n, float alpha, const float* x, float* y);
   // y = float(x), x stored as half (exact)
   void (*f16_to_f32)(int64_t n, const uint16_t* x, float* y);
+  // out[h] = sum_i a[h * lda + i] * b[i] for h < m: m independent dots against one b (the
+  // query heads that share a K row). Each row's sum is formed the same way whatever m is.
+  void (*dot_rows_f32)(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out);
+  // y[h * ldy + i] += alpha[h] * x[i] for h < m (the heads that share a V row).
+  void (*axpy_rows_f32)(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy);
 };
 
 const VecOps& vec_ops();

@@ -131,7 +131,58 @@ void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
   for (; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
 }
 
-const VecOps kAvx2 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum, silu_mul, scale, dot_f32, axpy_f32, f16_to_f32};
+// Four rows at a time: four independent FMA chains (a single dot of 128 values is bound by
+// FMA latency), one load of b for all four. Row h's sum: one 8-lane accumulator, then the
+// scalar tail, the same for any m.
+void dot_rows_f32(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out) {
+  const int64_t n8 = n / 8 * 8;
+  int h = 0;
+  for (; h + 4 <= m; h += 4) {
+    const float* r0 = a + h * lda;
+    const float *r1 = r0 + lda, *r2 = r1 + lda, *r3 = r2 + lda;
+    __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n8; i += 8) {
+      const __m256 bv = _mm256_loadu_ps(b + i);
+      c0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + i), bv, c0);
+      c1 = _mm256_fmadd_ps(_mm256_loadu_ps(r1 + i), bv, c1);
+      c2 = _mm256_fmadd_ps(_mm256_loadu_ps(r2 + i), bv, c2);
+      c3 = _mm256_fmadd_ps(_mm256_loadu_ps(r3 + i), bv, c3);
+    }
+    float s0 = hsum(c0), s1 = hsum(c1), s2 = hsum(c2), s3 = hsum(c3);
+    for (int64_t i = n8; i < n; ++i) {
+      s0 += r0[i] * b[i];
+      s1 += r1[i] * b[i];
+      s2 += r2[i] * b[i];
+      s3 += r3[i] * b[i];
+    }
+    out[h] = s0, out[h + 1] = s1, out[h + 2] = s2, out[h + 3] = s3;
+  }
+  for (; h < m; ++h) {
+    const float* r = a + h * lda;
+    __m256 c = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n8; i += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(r + i), _mm256_loadu_ps(b + i), c);
+    float s = hsum(c);
+    for (int64_t i = n8; i < n; ++i) s += r[i] * b[i];
+    out[h] = s;
+  }
+}
+
+void axpy_rows_f32(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy) {
+  const int64_t n8 = n / 8 * 8;
+  for (int64_t i = 0; i < n8; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int h = 0; h < m; ++h) {
+      float* yh = y + h * ldy + i;
+      _mm256_storeu_ps(yh, _mm256_fmadd_ps(_mm256_set1_ps(alpha[h]), xv, _mm256_loadu_ps(yh)));
+    }
+  }
+  for (int h = 0; h < m; ++h)
+    for (int64_t i = n8; i < n; ++i) y[h * ldy + i] += alpha[h] * x[i];
+}
+
+const VecOps kAvx2 = {dot_f32_f16, axpy_f16, f32_to_f16,   exp_sub_sum,  silu_mul,
+                      scale,       dot_f32,  axpy_f32,     f16_to_f32,   dot_rows_f32,
+                      axpy_rows_f32};
 
 }  // namespace
 
