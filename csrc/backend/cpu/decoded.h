@@ -129,8 +129,14 @@ TF_TARGET_AVX2 inline void prefetch_block(const uint8_t* p, size_t bytes) {
 // One decoded block ready for maddubs: |q|, q itself (whose signs go onto the activations:
 // maddubs(|q|, sign(x, q)) = q*x pairs without saturation, |q|, |x| <= 127) and the scale of
 // each int16 lane (lanes 0..7 of vector i: sub-block 2i, lanes 8..15: sub-block 2i + 1).
+//
+// Small-value formats (every |q| <= 63: the IQ2/IQ3 grids, ternary) skip the per-column sign
+// instead: aq holds q + 64 (2..127, unsigned), so maddubs(q + 64, x) = q*x + 64*x pairs stay
+// below 2 * 127 * 127, and the 64 * sum(x) surplus of each 16-value group is taken off once
+// per block with the activation's bsums: corr = madd(64 * sc, bsums).
 struct alignas(32) D256Ymm {
   __m256i aq[8], q[8], sc[8];
+  __m256i corr;  // 64 * sc per 16-value group (offset mode)
   float d;
 };
 
@@ -141,13 +147,15 @@ alignas(32) inline const uint8_t kD256ScPair[4][32] = {
     {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
 };
 
+template <bool Offset>
 TF_TARGET_AVX2 inline void d256_to_ymm(const Decoded256& u, D256Ymm& z) {
   const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
   const __m256i lo = _mm256_permute2x128_si256(s, s, 0x00), hi = _mm256_permute2x128_si256(s, s, 0x11);
+  if (Offset) z.corr = _mm256_slli_epi16(s, 6);
   for (int i = 0; i < 8; ++i) {
     const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * i));
     z.q[i] = q;
-    z.aq[i] = _mm256_sign_epi8(q, q);
+    z.aq[i] = Offset ? _mm256_add_epi8(q, _mm256_set1_epi8(64)) : _mm256_sign_epi8(q, q);
     z.sc[i] = _mm256_shuffle_epi8(i < 4 ? lo : hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(kD256ScPair[i % 4])));
   }
   z.d = u.d;
@@ -156,7 +164,7 @@ TF_TARGET_AVX2 inline void d256_to_ymm(const Decoded256& u, D256Ymm& z) {
 // NC columns (xq, xs bytes apart) against kcb prepared blocks of one row, from activation
 // block b0; y[c * ldy] receives (first) or accumulates the partial dots. Each |q|, q and scale
 // load serves all NC columns.
-template <int NC>
+template <int NC, bool Offset>
 TF_TARGET_AVX2 inline void d256_tile_avx2(const D256Ymm* z, int kcb, const uint8_t* xq, size_t xs, int64_t b0,
                                           float* y, int64_t ldy, bool first) {
   __m256 acc[NC];
@@ -174,13 +182,16 @@ TF_TARGET_AVX2 inline void d256_tile_avx2(const D256Ymm* z, int kcb, const uint8
 #pragma GCC unroll 4
       for (int c = 0; c < NC; ++c) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->qs + 32 * i));
-        const __m256i p = _mm256_maddubs_epi16(z[b].aq[i], _mm256_sign_epi8(x, z[b].q[i]));
+        const __m256i p = _mm256_maddubs_epi16(z[b].aq[i], Offset ? x : _mm256_sign_epi8(x, z[b].q[i]));
         s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(p, z[b].sc[i]));
       }
     }
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c)
+    for (int c = 0; c < NC; ++c) {
+      if (Offset)
+        s[c] = _mm256_sub_epi32(s[c], _mm256_madd_epi16(z[b].corr, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->bsums))));
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_set1_ps(z[b].d * a[c]->d), acc[c]);
+    }
   }
   for (int c = 0; c < NC; ++c) {
     const float v = hsum8_avx2(acc[c]);
@@ -188,7 +199,8 @@ TF_TARGET_AVX2 inline void d256_tile_avx2(const D256Ymm* z, int kcb, const uint8
   }
 }
 
-template <Decode256Fn Decode, size_t kBytes>
+// Offset: every decoded |q| <= 63 (see D256Ymm).
+template <Decode256Fn Decode, size_t kBytes, bool Offset = false>
 TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1,
                                      const void* xv, size_t xs, int64_t ncols, float* y, int64_t ldy) {
   const uint8_t* w = static_cast<const uint8_t*>(wv);
@@ -207,15 +219,15 @@ TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* wv, size_t ws, int64
           const uint8_t* blk = row + size_t(b0 + b) * kBytes;
           if (ncols == 1) prefetch_block(blk, kBytes);
           Decode(blk, &u);
-          d256_to_ymm(u, z[b]);
+          d256_to_ymm<Offset>(u, z[b]);
         }
         const bool first = b0 == 0;
         int64_t c = c0;
-        for (; c + 4 <= c0 + nc; c += 4) d256_tile_avx2<4>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first);
+        for (; c + 4 <= c0 + nc; c += 4) d256_tile_avx2<4, Offset>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first);
         switch (c0 + nc - c) {
-          case 1: d256_tile_avx2<1>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-          case 2: d256_tile_avx2<2>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-          case 3: d256_tile_avx2<3>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+          case 1: d256_tile_avx2<1, Offset>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+          case 2: d256_tile_avx2<2, Offset>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+          case 3: d256_tile_avx2<3, Offset>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
           default: break;
         }
       }
@@ -225,7 +237,7 @@ TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* wv, size_t ws, int64
 
 // ---- AVX2, 32-value blocks --------------------------------------------------------------
 
-template <Decode32Fn Decode, size_t kBytes>
+template <Decode32Fn Decode, size_t kBytes, bool Offset = false>  // Offset: unused (32-value blocks)
 TF_TARGET_AVX2 void matmul_d32_avx2(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1,
                                     const void* xv, size_t xs, int64_t ncols, float* y, int64_t ldy) {
   const uint8_t* w = static_cast<const uint8_t*>(wv);
@@ -365,15 +377,18 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
 }  // namespace tf::cpu::detail
 
 // Defines a format's three CPU entry points (namespace tf::cpu::<ns>: scalar, avx2, avx512)
-// from its decoders; the traits table (quant/traits.cpp) points at them.
+// from its decoders; the traits table (quant/traits.cpp) points at them. max_abs_q: the
+// largest |q| its decoder produces (<= 63 enables the AVX2 driver's offset mode, D256Ymm).
 #define TF_MATMUL_PARAMS \
   int64_t k, const void *w, size_t ws, int64_t r0, int64_t r1, const void *xq, size_t xs, int64_t ncols, float *y, int64_t ldy
 #define TF_MATMUL_ARGS k, w, ws, r0, r1, xq, xs, ncols, y, ldy
 #if defined(TF_HAVE_X86_KERNELS)
-#define TF_DECODED_KERNELS(ns, width, bytes, decode_scalar, decode_fast)                                 \
+#define TF_DECODED_KERNELS(ns, width, bytes, decode_scalar, decode_fast, max_abs_q)                                 \
   namespace tf::cpu::ns {                                                                                \
   void scalar(TF_MATMUL_PARAMS) { detail::matmul_d##width##_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); } \
-  TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) { detail::matmul_d##width##_avx2<decode_fast, bytes>(TF_MATMUL_ARGS); } \
+  TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {                                                           \
+    detail::matmul_d##width##_avx2<decode_fast, bytes, (max_abs_q) <= 63>(TF_MATMUL_ARGS);                         \
+  }                                                                                                      \
   TF_TARGET_AVX512 void avx512(TF_MATMUL_PARAMS) {                                                       \
     detail::matmul_d##width##_avx512<decode_fast, bytes>(TF_MATMUL_ARGS);                                \
   }                                                                                                      \
@@ -382,7 +397,7 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
 // columns, the block decoded in registers and never stored, since decoding costs more than the
 // dot there): `fused<NC>(nb, w, ws, r0, r1, xq, xs, y, ldy)` for NC = 1..4 in the format's
 // file. Wider products go to the decoded-block drivers.
-#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, fused)                           \
+#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, fused, max_abs_q)                           \
   namespace tf::cpu::ns {                                                                                \
   void scalar(TF_MATMUL_PARAMS) { detail::matmul_d256_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); }    \
   TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {                                                           \
@@ -393,7 +408,7 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
       case 2: return fused<2>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
       case 3: return fused<3>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
       case 4: return fused<4>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
-      default: return detail::matmul_d256_avx2<decode_fast, bytes>(TF_MATMUL_ARGS);                     \
+      default: return detail::matmul_d256_avx2<decode_fast, bytes, (max_abs_q) <= 63>(TF_MATMUL_ARGS);            \
     }                                                                                                    \
   }                                                                                                      \
   /* AVX-512: the fused AVX2 loop for narrow products (512-bit registers do not shorten the */          \
@@ -404,10 +419,10 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
   }                                                                                                      \
   }
 #else
-#define TF_DECODED_KERNELS(ns, width, bytes, decode_scalar, decode_fast)                                 \
+#define TF_DECODED_KERNELS(ns, width, bytes, decode_scalar, decode_fast, max_abs_q)                                 \
   namespace tf::cpu::ns {                                                                                \
   void scalar(TF_MATMUL_PARAMS) { detail::matmul_d##width##_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); } \
   }
-#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, fused) \
-  TF_DECODED_KERNELS(ns, 256, bytes, decode_scalar, decode_fast)
+#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, fused, max_abs_q) \
+  TF_DECODED_KERNELS(ns, 256, bytes, decode_scalar, decode_fast, max_abs_q)
 #endif

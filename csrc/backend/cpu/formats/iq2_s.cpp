@@ -198,4 +198,4 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 }  // namespace tf::cpu::iq2_s
 
-TF_FUSED_DECODED_KERNELS(iq2_s, kBytes, decode_scalar, decode_avx2, rows_fused)
+TF_FUSED_DECODED_KERNELS(iq2_s, kBytes, decode_scalar, decode_avx2, rows_fused, 43)

@@ -181,4 +181,4 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 }  // namespace tf::cpu::iq2_xs
 
-TF_FUSED_DECODED_KERNELS(iq2_xs, kBytes, decode_scalar, decode_avx2, rows_fused)
+TF_FUSED_DECODED_KERNELS(iq2_xs, kBytes, decode_scalar, decode_avx2, rows_fused, 43)

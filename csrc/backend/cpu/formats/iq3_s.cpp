@@ -136,4 +136,4 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 }  // namespace tf::cpu::iq3_s
 
-TF_FUSED_DECODED_KERNELS(iq3_s, kBytes, decode_scalar, decode_avx2, rows_fused)
+TF_FUSED_DECODED_KERNELS(iq3_s, kBytes, decode_scalar, decode_avx2, rows_fused, 15)

@@ -48,4 +48,4 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 }  // namespace tf::cpu::iq4_nl
 
-TF_DECODED_KERNELS(iq4_nl, 32, kBytes, decode_scalar, decode_avx2)
+TF_DECODED_KERNELS(iq4_nl, 32, kBytes, decode_scalar, decode_avx2, 127)

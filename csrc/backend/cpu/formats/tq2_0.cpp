@@ -50,4 +50,4 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 }  // namespace tf::cpu::tq2_0
 
-TF_DECODED_KERNELS(tq2_0, 256, kBytes, decode_scalar, decode_avx2)
+TF_DECODED_KERNELS(tq2_0, 256, kBytes, decode_scalar, decode_avx2, 1)
