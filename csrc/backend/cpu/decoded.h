@@ -235,6 +235,55 @@ TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* wv, size_t ws, int64
   }
 }
 
+// ---- AVX2, fused narrow products (decode) ------------------------------------------------
+
+// One 32-weight sub-block decoded in registers: magnitudes (unsigned bytes), a sign operand
+// for _mm256_sign_epi8 (negative byte: the weight is negative; never 0) and the int16 scale of
+// each maddubs lane.
+struct SubBlock32 {
+  __m256i mag, sign, scale;
+};
+
+// y[c * ldy + r] for NC = 1..4 columns without storing decoded blocks (for a GEMV the decoding,
+// not the dot, is the cost). Block is the format's view of one block:
+//   TF_TARGET_AVX2 explicit Block(const uint8_t* blk);   // block-wide fields, once
+//   TF_TARGET_AVX2 SubBlock32 sub(int s) const;           // sub-block s = 0..7 (a constant)
+//   TF_TARGET_AVX2 float d() const;                        // the block scale
+// and out_scale is the power of two the format's integer scales leave out.
+template <class Block, size_t kBytes, int NC>
+TF_TARGET_AVX2 inline void fused_rows_avx2(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_t r1,
+                                           const uint8_t* xq, size_t xs, float* y, int64_t ldy, float out_scale) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* blk = w + size_t(r) * ws;
+    __m256 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, blk += kBytes) {
+      if (NC == 1) prefetch_block(blk, kBytes < 128 ? kBytes : 128);
+      const Block block(blk);
+      __m256i sum[NC];
+      for (int c = 0; c < NC; ++c) sum[c] = _mm256_setzero_si256();
+#pragma GCC unroll 8  // constant s: the formats' shuffle patterns resolve at compile time
+      for (int s = 0; s < 8; ++s) {
+        const SubBlock32 u = block.sub(s);
+        for (int c = 0; c < NC; ++c) {
+          const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * s));
+          sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(_mm256_maddubs_epi16(u.mag, _mm256_sign_epi8(x, u.sign)), u.scale));
+        }
+      }
+      const float d = block.d();
+      for (int c = 0; c < NC; ++c) {
+        const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(d * a->d), acc[c]);
+      }
+    }
+    for (int c = 0; c < NC; ++c) y[c * ldy + r] = out_scale * hsum8_avx2(acc[c]);
+  }
+}
+
+// A 0xFF/0x00 negative mask as a sign operand.
+TF_TARGET_AVX2 inline __m256i sign_of_mask(__m256i neg) { return _mm256_or_si256(neg, _mm256_set1_epi8(1)); }
+
 // ---- AVX2, 32-value blocks --------------------------------------------------------------
 
 template <Decode32Fn Decode, size_t kBytes, bool Offset = false>  // Offset: unused (32-value blocks)
@@ -394,20 +443,19 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
   }                                                                                                      \
   }
 // The same for 256-value formats with a fused kernel for narrow products (decode: up to four
-// columns, the block decoded in registers and never stored, since decoding costs more than the
-// dot there): `fused<NC>(nb, w, ws, r0, r1, xq, xs, y, ldy)` for NC = 1..4 in the format's
-// file. Wider products go to the decoded-block drivers.
-#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, fused, max_abs_q)                           \
+// columns, fused_rows_avx2 over the format's Block view, see there). Wider products go to
+// the decoded-block drivers.
+#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, Block, out_scale, max_abs_q)                           \
   namespace tf::cpu::ns {                                                                                \
   void scalar(TF_MATMUL_PARAMS) { detail::matmul_d256_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); }    \
   TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {                                                           \
     const auto* wb = static_cast<const uint8_t*>(w);                                                     \
     const auto* xb = static_cast<const uint8_t*>(xq);                                                    \
     switch (ncols) {                                                                                     \
-      case 1: return fused<1>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
-      case 2: return fused<2>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
-      case 3: return fused<3>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
-      case 4: return fused<4>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy);                                  \
+      case 1: return detail::fused_rows_avx2<Block, bytes, 1>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy, out_scale); \
+      case 2: return detail::fused_rows_avx2<Block, bytes, 2>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy, out_scale); \
+      case 3: return detail::fused_rows_avx2<Block, bytes, 3>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy, out_scale); \
+      case 4: return detail::fused_rows_avx2<Block, bytes, 4>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy, out_scale); \
       default: return detail::matmul_d256_avx2<decode_fast, bytes, (max_abs_q) <= 63>(TF_MATMUL_ARGS);            \
     }                                                                                                    \
   }                                                                                                      \
@@ -423,6 +471,6 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
   namespace tf::cpu::ns {                                                                                \
   void scalar(TF_MATMUL_PARAMS) { detail::matmul_d##width##_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); } \
   }
-#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, fused, max_abs_q) \
+#define TF_FUSED_DECODED_KERNELS(ns, bytes, decode_scalar, decode_fast, Block, out_scale, max_abs_q) \
   TF_DECODED_KERNELS(ns, 256, bytes, decode_scalar, decode_fast, max_abs_q)
 #endif

@@ -136,44 +136,19 @@ TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
   u->d = _cvtsh_ss(ld16(b)) * 0.125f;
 }
 
-// GEMV / narrow GEMM without the decode buffer: per sub-block the grid magnitudes and the
-// signs are built once in registers, the signs go onto each column's activations and
-// maddubs(magnitude, signed x) feeds the integer sums directly.
-template <int NC>
-TF_TARGET_AVX2 inline void rows_fused(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_t r1,
-                                      const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
-  using detail::ActK;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* blk = w + size_t(r) * ws;
-    __m256 acc[NC];
-    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, blk += kBytes) {
-      const Indices ix = block_indices(blk);
-      const __m256i signs = block_signs(blk + 34);
-      const __m256i scales = block_scales(blk + 74);
-      __m256i sum[NC];
-      for (int c = 0; c < NC; ++c) sum[c] = _mm256_setzero_si256();
-#pragma GCC unroll 8  // constant s: shuffle patterns and index extraction resolve at compile time
-      for (int s = 0; s < 8; ++s) {
-        const __m256i g = grid32(ix, s);
-        const __m256i neg = neg_mask(signs, s);
-        const __m256i sc = _mm256_shuffle_epi8(scales, pattern(kPat.scale[s]));
-        for (int c = 0; c < NC; ++c) {
-          const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * s));
-          const __m256i p = _mm256_maddubs_epi16(g, _mm256_sub_epi8(_mm256_xor_si256(x, neg), neg));
-          sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(p, sc));
-        }
-      }
-      const float d = _cvtsh_ss(ld16(blk));
-      for (int c = 0; c < NC; ++c) {
-        const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(d * a->d), acc[c]);
-      }
-    }
-    for (int c = 0; c < NC; ++c) y[c * ldy + r] = 0.125f * detail::hsum8_avx2(acc[c]);
+// The block as the fused narrow kernel (detail::fused_rows_avx2) reads it.
+struct Block {
+  const uint8_t* b;
+  Indices ix;
+  __m256i signs, scales;
+  TF_TARGET_AVX2 explicit Block(const uint8_t* blk)
+      : b(blk), ix(block_indices(blk)), signs(block_signs(blk + 34)), scales(block_scales(blk + 74)) {}
+  TF_TARGET_AVX2 detail::SubBlock32 sub(int s) const {
+    return {grid32(ix, s), detail::sign_of_mask(neg_mask(signs, s)),
+            _mm256_shuffle_epi8(scales, pattern(kPat.scale[s]))};
   }
-}
+  TF_TARGET_AVX2 float d() const { return _cvtsh_ss(ld16(b)); }
+};
 
 #endif
 }  // namespace
@@ -198,4 +173,4 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 }  // namespace tf::cpu::iq2_s
 
-TF_FUSED_DECODED_KERNELS(iq2_s, kBytes, decode_scalar, decode_avx2, rows_fused, 43)
+TF_FUSED_DECODED_KERNELS(iq2_s, kBytes, decode_scalar, decode_avx2, Block, 0.125f, 43)

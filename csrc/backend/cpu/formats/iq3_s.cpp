@@ -77,41 +77,16 @@ TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
   u->d = _cvtsh_ss(ld16(b));
 }
 
-// Narrow products (decode): per sub-block the magnitudes and signs stay in registers, the
-// signs go onto each column's activations and maddubs(magnitude, signed x) feeds the sums.
-template <int NC>
-TF_TARGET_AVX2 inline void rows_fused(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_t r1,
-                                      const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
-  using detail::ActK;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* blk = w + size_t(r) * ws;
-    __m256 acc[NC];
-    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, blk += kBytes) {
-      if (NC == 1) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + detail::kDecodedPrefetch), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(blk + detail::kDecodedPrefetch + 64), _MM_HINT_T0);
-      }
-      __m256i sum[NC];
-      for (int c = 0; c < NC; ++c) sum[c] = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
-        const __m256i g = magnitudes(blk, s), neg = negatives(blk, s);
-        const __m256i sc = _mm256_set1_epi16(int16_t(1 + 2 * scale_u(blk, s)));
-        for (int c = 0; c < NC; ++c) {
-          const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * s));
-          sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(_mm256_maddubs_epi16(g, apply_sign(x, neg)), sc));
-        }
-      }
-      const float d = _cvtsh_ss(ld16(blk));
-      for (int c = 0; c < NC; ++c) {
-        const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(d * a->d), acc[c]);
-      }
-    }
-    for (int c = 0; c < NC; ++c) y[c * ldy + r] = detail::hsum8_avx2(acc[c]);
+// The block as the fused narrow kernel (detail::fused_rows_avx2) reads it.
+struct Block {
+  const uint8_t* b;
+  TF_TARGET_AVX2 explicit Block(const uint8_t* blk) : b(blk) {}
+  TF_TARGET_AVX2 detail::SubBlock32 sub(int s) const {
+    return {magnitudes(b, s), detail::sign_of_mask(negatives(b, s)),
+            _mm256_set1_epi16(int16_t(1 + 2 * scale_u(b, s)))};
   }
-}
+  TF_TARGET_AVX2 float d() const { return _cvtsh_ss(ld16(b)); }
+};
 #else
 constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
 #endif
@@ -136,4 +111,4 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 }  // namespace tf::cpu::iq3_s
 
-TF_FUSED_DECODED_KERNELS(iq3_s, kBytes, decode_scalar, decode_avx2, rows_fused, 15)
+TF_FUSED_DECODED_KERNELS(iq3_s, kBytes, decode_scalar, decode_avx2, Block, 1.0f, 15)

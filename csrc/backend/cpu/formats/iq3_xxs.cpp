@@ -122,51 +122,22 @@ TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
   u->d = _cvtsh_ss(ld16(b)) * 0.25f;
 }
 
-// GEMV / narrow GEMM without the decode buffer: per sub-block the grid magnitudes and the
-// signs are built once in registers, the signs go onto each column's activations and
-// maddubs(magnitude, signed x) feeds the integer sums directly.
-template <int NC>
-TF_TARGET_AVX2 inline void rows_fused(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_t r1,
-                                      const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
-  using detail::ActK;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* blk = w + size_t(r) * ws;
-    __m256 acc[NC];
-    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, blk += kBytes) {
-      if (NC == 1) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + detail::kDecodedPrefetch), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(blk + detail::kDecodedPrefetch + 64), _MM_HINT_T0);
-      }
-      const __m256i aux = load_aux(blk);
-      const __m256i words = sign_words(aux), scales = scale_words(aux);
-      __m256i sum[NC];
-      for (int c = 0; c < NC; ++c) sum[c] = _mm256_setzero_si256();
-      for (int h = 0; h < 2; ++h) {
-        const __m256i wh = lane_dup(words, h), sh = lane_dup(scales, h);
-#pragma GCC unroll 4
-        for (int t = 0; t < 4; ++t) {
-          const int s = 4 * h + t;
-          const __m256i g = grid32(blk + 2 + 8 * s);
-          const __m256i sg = signs32(wh, t);
-          const __m256i sc = scale16(sh, t);
-          for (int c = 0; c < NC; ++c) {
-            const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * s));
-            const __m256i p = _mm256_maddubs_epi16(g, _mm256_sign_epi8(x, sg));
-            sum[c] = _mm256_add_epi32(sum[c], _mm256_madd_epi16(p, sc));
-          }
-        }
-      }
-      const float d = _cvtsh_ss(ld16(blk));
-      for (int c = 0; c < NC; ++c) {
-        const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
-        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[c]), _mm256_set1_ps(d * a->d), acc[c]);
-      }
-    }
-    for (int c = 0; c < NC; ++c) y[c * ldy + r] = 0.25f * detail::hsum8_avx2(acc[c]);
+// The block as the fused narrow kernel (detail::fused_rows_avx2) reads it: the sign words
+// and scales of all sub-blocks computed once, each sub-block's magnitudes from the grid.
+struct Block {
+  const uint8_t* b;
+  __m256i words[2], scales[2];  // lane_dup of the sign words / scale words, halves 0 and 1
+  TF_TARGET_AVX2 explicit Block(const uint8_t* blk) : b(blk) {
+    const __m256i aux = load_aux(blk);
+    const __m256i w = sign_words(aux), sc = scale_words(aux);
+    words[0] = lane_dup(w, 0), words[1] = lane_dup(w, 1);
+    scales[0] = lane_dup(sc, 0), scales[1] = lane_dup(sc, 1);
   }
-}
+  TF_TARGET_AVX2 detail::SubBlock32 sub(int s) const {
+    return {grid32(b + 2 + 8 * s), signs32(words[s / 4], s % 4), scale16(scales[s / 4], s % 4)};
+  }
+  TF_TARGET_AVX2 float d() const { return _cvtsh_ss(ld16(b)); }
+};
 
 #endif
 }  // namespace
@@ -193,4 +164,4 @@ void dequantize_ref(const void* src, float* dst, int64_t n) {
 
 }  // namespace tf::cpu::iq3_xxs
 
-TF_FUSED_DECODED_KERNELS(iq3_xxs, kBytes, decode_scalar, decode_avx2, rows_fused, 62)
+TF_FUSED_DECODED_KERNELS(iq3_xxs, kBytes, decode_scalar, decode_avx2, Block, 0.25f, 62)
