@@ -140,12 +140,6 @@ struct alignas(32) D256Ymm {
   float d;
 };
 
-alignas(32) inline const uint8_t kD256ScPair[4][32] = {
-    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
-    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
-    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
-    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
-};
 
 template <bool Offset>
 TF_TARGET_AVX2 inline void d256_to_ymm(const Decoded256& u, D256Ymm& z) {
@@ -156,7 +150,7 @@ TF_TARGET_AVX2 inline void d256_to_ymm(const Decoded256& u, D256Ymm& z) {
     const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * i));
     z.q[i] = q;
     z.aq[i] = Offset ? _mm256_add_epi8(q, _mm256_set1_epi8(64)) : _mm256_sign_epi8(q, q);
-    z.sc[i] = _mm256_shuffle_epi8(i < 4 ? lo : hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(kD256ScPair[i % 4])));
+    z.sc[i] = _mm256_shuffle_epi8(i < 4 ? lo : hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePairShuffle[i % 4])));
   }
   z.d = u.d;
 }
@@ -278,6 +272,32 @@ TF_TARGET_AVX2 inline void fused_rows_avx2(int64_t nb, const uint8_t* w, size_t 
       }
     }
     for (int c = 0; c < NC; ++c) y[c * ldy + r] = out_scale * hsum8_avx2(acc[c]);
+  }
+}
+
+// For formats whose fused kernel handles one row against NC = 1..4 columns
+// (Row::template run<NC>(row, nb, xq, xs, y, ldy), y at that row's first column): all rows
+// and columns, in column blocks whose activations stay in L2 — a weight row stays in L1
+// while it meets every column of the block, four at a time.
+template <class Row>
+TF_TARGET_AVX2 inline void fused_row_tiles_avx2(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1,
+                                                const void* xq, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  const auto* wb = static_cast<const uint8_t*>(w);
+  const auto* xb = static_cast<const uint8_t*>(xq);
+  const int64_t nb = k / 256;
+  for (int64_t c0 = 0; c0 < ncols; c0 += kDecodedColBlock) {
+    const int64_t nc = std::min(kDecodedColBlock, ncols - c0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = wb + size_t(r) * ws;
+      int64_t c = c0;
+      for (; c + 4 <= c0 + nc; c += 4) Row::template run<4>(row, nb, xb + size_t(c) * xs, xs, y + c * ldy + r, ldy);
+      switch (c0 + nc - c) {
+        case 1: Row::template run<1>(row, nb, xb + size_t(c) * xs, xs, y + c * ldy + r, ldy); break;
+        case 2: Row::template run<2>(row, nb, xb + size_t(c) * xs, xs, y + c * ldy + r, ldy); break;
+        case 3: Row::template run<3>(row, nb, xb + size_t(c) * xs, xs, y + c * ldy + r, ldy); break;
+        default: break;
+      }
+    }
   }
 }
 

@@ -271,19 +271,12 @@ inline __m256i k_chunk(const uint8_t* blk, int i) {
   }
 }
 
-// The scale of each maddubs lane of the eight 32-value chunks: chunk i's lanes 0..7 take the
-// scale of its first 16 values (sc[2i]), lanes 8..15 that of the second (sc[2i + 1]).
-alignas(32) constexpr uint8_t kScalePair[4][32] = {
-    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
-    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
-    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
-    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
-};
+// The scale of each maddubs lane of the eight 32-value chunks (kScalePairShuffle).
 inline void k_scale_vectors(const KUnpacked& u, __m256i* sc) {
   const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
   const __m256i lo = _mm256_permute2x128_si256(s, s, 0x00), hi = _mm256_permute2x128_si256(s, s, 0x11);
   for (int i = 0; i < 4; ++i) {
-    const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePair[i]));
+    const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePairShuffle[i]));
     sc[i] = _mm256_shuffle_epi8(lo, pick);
     sc[4 + i] = _mm256_shuffle_epi8(hi, pick);
   }
@@ -310,7 +303,7 @@ void matmul_k_narrow(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_
       for (int i = 0; i < 8; ++i) {
         const __m256i q = k_chunk<T>(blk, i);
         const __m256i sc = _mm256_shuffle_epi8(i < 4 ? sc_lo : sc_hi,
-                                               _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePair[i % 4])));
+                                               _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePairShuffle[i % 4])));
         for (int c = 0; c < NC; ++c) {
           const ActK* a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b;
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a->qs + 32 * i));

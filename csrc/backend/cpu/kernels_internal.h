@@ -123,6 +123,16 @@ void k_scales(GgmlType wt, const void* block, KUnpacked* out);
 // Full scalar unpack of the q values (0..63) of one K block.
 void k_values(GgmlType wt, const void* block, uint8_t* q256);
 
+// Byte shuffle that spreads 16 int16 scales (one per 16 values, both 128-bit lanes holding the
+// same eight: 0..7 or 8..15) over the maddubs lanes of 32-value chunk i (i % 4): lanes 0..7
+// take scale 2i, lanes 8..15 scale 2i + 1. Used by the K-quant and decoded-block AVX2 paths.
+alignas(32) inline constexpr uint8_t kScalePairShuffle[4][32] = {
+    {0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3},
+    {4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7},
+    {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
+    {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
+};
+
 }  // namespace tf::cpu::detail
 
 // Defines tf::cpu::<ns>::<isa>(...) calling detail::<impl>: the entry points the traits table

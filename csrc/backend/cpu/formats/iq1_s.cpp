@@ -128,27 +128,15 @@ TF_TARGET_AVX2 void fused_row(const uint8_t* row, int64_t nb, const uint8_t* xq,
 }
 }  // namespace
 
-TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {
-  const auto* wb = static_cast<const uint8_t*>(w);
-  const auto* xb = static_cast<const uint8_t*>(xq);
-  const int64_t nb = k / 256;
-  // Columns in blocks whose activations stay in L2; within one, a weight row stays in L1
-  // while it meets every column, four at a time.
-  for (int64_t c0 = 0; c0 < ncols; c0 += detail::kDecodedColBlock) {
-    const int64_t nc = std::min(detail::kDecodedColBlock, ncols - c0);
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = wb + size_t(r) * ws;
-      int64_t c = c0;
-      for (; c + 4 <= c0 + nc; c += 4) fused_row<4>(row, nb, xb + size_t(c) * xs, xs, y + c * ldy + r, ldy);
-      switch (c0 + nc - c) {
-        case 1: fused_row<1>(row, nb, xb + size_t(c) * xs, xs, y + c * ldy + r, ldy); break;
-        case 2: fused_row<2>(row, nb, xb + size_t(c) * xs, xs, y + c * ldy + r, ldy); break;
-        case 3: fused_row<3>(row, nb, xb + size_t(c) * xs, xs, y + c * ldy + r, ldy); break;
-        default: break;
-      }
-    }
+// The fused kernel as a row functor for detail::fused_row_tiles_avx2.
+struct FusedRow {
+  template <int NC>
+  TF_TARGET_AVX2 static void run(const uint8_t* row, int64_t nb, const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
+    fused_row<NC>(row, nb, xq, xs, y, ldy);
   }
-}
+};
+
+TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) { detail::fused_row_tiles_avx2<FusedRow>(TF_MATMUL_ARGS); }
 
 TF_TARGET_AVX512 void avx512(TF_MATMUL_PARAMS) { detail::matmul_d256_avx512<decode_avx2, kBytes>(TF_MATMUL_ARGS); }
 #endif
