@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "backend/cpu/kernels_internal.h"
+#include "backend/cpu/tile_avx2.h"
 
 #if defined(TF_HAVE_X86_KERNELS)
 #include <immintrin.h>
@@ -126,107 +127,41 @@ TF_TARGET_AVX2 inline void prefetch_block(const uint8_t* p, size_t bytes) {
 
 // ---- AVX2, 256-value blocks -----------------------------------------------------------
 
-// One decoded block ready for maddubs: |q|, q itself (whose signs go onto the activations:
-// maddubs(|q|, sign(x, q)) = q*x pairs without saturation, |q|, |x| <= 127) and the scale of
-// each int16 lane (lanes 0..7 of vector i: sub-block 2i, lanes 8..15: sub-block 2i + 1).
-//
-// Small-value formats (every |q| <= 63: the IQ2/IQ3 grids, ternary) skip the per-column sign
-// instead: aq holds q + 64 (2..127, unsigned), so maddubs(q + 64, x) = q*x + 64*x pairs stay
-// below 2 * 127 * 127, and the 64 * sum(x) surplus of each 16-value group is taken off once
-// per block with the activation's bsums: corr = madd(64 * sc, bsums).
-struct alignas(32) D256Ymm {
-  __m256i aq[8], q[8], sc[8];
-  __m256i corr;  // 64 * sc per 16-value group (offset mode)
-  float d;
-};
-
-
+// One decoded block as a Prep256 (tile_avx2.h). Signed formats: aq = |q|, and q's signs go
+// onto the activations (maddubs(|q|, sign(x, q)) = q*x pairs without saturation, |q|, |x| <= 127).
+// Small-value formats (every |q| <= 63: the IQ2/IQ3 grids, ternary) skip the per-column sign:
+// aq holds q + 64 (1..127, unsigned), so maddubs(q + 64, x) = q*x + 64*x pairs stay below
+// 2 * 127 * 127, and the 64 * sum(x) surplus of each 16-value group is taken off with the
+// activation's bsums (corr = 64 * sc, dcorr = -d).
 template <bool Offset>
-TF_TARGET_AVX2 inline void d256_to_ymm(const Decoded256& u, D256Ymm& z) {
+TF_TARGET_AVX2 inline void d256_to_prep(const Decoded256& u, Prep256& z) {
   const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
   const __m256i lo = _mm256_permute2x128_si256(s, s, 0x00), hi = _mm256_permute2x128_si256(s, s, 0x11);
   if (Offset) z.corr = _mm256_slli_epi16(s, 6);
   for (int i = 0; i < 8; ++i) {
     const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * i));
-    z.q[i] = q;
-    z.aq[i] = Offset ? _mm256_add_epi8(q, _mm256_set1_epi8(64)) : _mm256_sign_epi8(q, q);
+    if (Offset) {
+      z.aq[i] = _mm256_add_epi8(q, _mm256_set1_epi8(64));
+    } else {
+      z.q[i] = q;
+      z.aq[i] = _mm256_sign_epi8(q, q);
+    }
     z.sc[i] = _mm256_shuffle_epi8(i < 4 ? lo : hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePairShuffle[i % 4])));
   }
   z.d = u.d;
+  z.dcorr = -u.d;
 }
 
-// NC columns (xq, xs bytes apart) against kcb prepared blocks of one row, from activation
-// block b0; y[c * ldy] receives (first) or accumulates the partial dots. Each |q|, q and scale
-// load serves all NC columns.
-template <int NC, bool Offset>
-TF_TARGET_AVX2 inline void d256_tile_avx2(const D256Ymm* z, int kcb, const uint8_t* xq, size_t xs, int64_t b0,
-                                          float* y, int64_t ldy, bool first) {
-  __m256 acc[NC];
-  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-  for (int b = 0; b < kcb; ++b) {
-    const ActK* a[NC];
-    __m256i s[NC];
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) {
-      a[c] = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0 + b;
-      s[c] = _mm256_setzero_si256();
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-#pragma GCC unroll 4
-      for (int c = 0; c < NC; ++c) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->qs + 32 * i));
-        const __m256i p = _mm256_maddubs_epi16(z[b].aq[i], Offset ? x : _mm256_sign_epi8(x, z[b].q[i]));
-        s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(p, z[b].sc[i]));
-      }
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) {
-      if (Offset)
-        s[c] = _mm256_sub_epi32(s[c], _mm256_madd_epi16(z[b].corr, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->bsums))));
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[c]), _mm256_set1_ps(z[b].d * a[c]->d), acc[c]);
-    }
-  }
-  for (int c = 0; c < NC; ++c) {
-    const float v = hsum8_avx2(acc[c]);
-    y[c * ldy] = first ? v : y[c * ldy] + v;
-  }
-}
-
-// Offset: every decoded |q| <= 63 (see D256Ymm).
+// Offset: every decoded |q| <= 63 (see d256_to_prep).
 template <Decode256Fn Decode, size_t kBytes, bool Offset = false>
-TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1,
-                                     const void* xv, size_t xs, int64_t ncols, float* y, int64_t ldy) {
-  const uint8_t* w = static_cast<const uint8_t*>(wv);
-  const uint8_t* xq = static_cast<const uint8_t*>(xv);
-  const int64_t nb = k / 256;
-  Decoded256 u;
-  D256Ymm z[kDecodedChunk];
-  for (int64_t c0 = 0; c0 < ncols; c0 += kDecodedColBlock) {
-    const int64_t nc = std::min(kDecodedColBlock, ncols - c0);
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = w + size_t(r) * ws;
-      float* yr = y + r;
-      for (int64_t b0 = 0; b0 < nb; b0 += kDecodedChunk) {
-        const int kcb = int(std::min<int64_t>(kDecodedChunk, nb - b0));
-        for (int b = 0; b < kcb; ++b) {
-          const uint8_t* blk = row + size_t(b0 + b) * kBytes;
-          if (ncols == 1) prefetch_block(blk, kBytes);
-          Decode(blk, &u);
-          d256_to_ymm<Offset>(u, z[b]);
-        }
-        const bool first = b0 == 0;
-        int64_t c = c0;
-        for (; c + 4 <= c0 + nc; c += 4) d256_tile_avx2<4, Offset>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first);
-        switch (c0 + nc - c) {
-          case 1: d256_tile_avx2<1, Offset>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-          case 2: d256_tile_avx2<2, Offset>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-          case 3: d256_tile_avx2<3, Offset>(z, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-          default: break;
-        }
-      }
-    }
-  }
+TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1,
+                                     const void* xq, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  const auto prepare = [](const uint8_t* blk, Prep256* z) TF_TARGET_AVX2 {
+    Decoded256 u;
+    Decode(blk, &u);
+    d256_to_prep<Offset>(u, *z);
+  };
+  matmul_prep256_avx2<!Offset, kBytes>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 // ---- AVX2, fused narrow products (decode) ------------------------------------------------

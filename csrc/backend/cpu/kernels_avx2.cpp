@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "backend/cpu/kernels_internal.h"
+#include "backend/cpu/tile_avx2.h"
 #include "quant/blocks.h"
 
 namespace tf::cpu::detail {
@@ -126,14 +127,6 @@ void matmul_g32(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, co
 // ---------------------------------------------------------------------------------------
 // K-quants.
 
-struct alignas(32) KU {
-  uint8_t q[256];
-  __m256i sc[8];  // int16 scales per maddubs lane, 32 values per vector
-  __m256i mn;
-  float d, ndmin;
-};
-
-constexpr int KC = 8;
 
 // k_scales() (kernels_scalar.cpp) for one type, without its per-block type switch and with
 // the 6-bit fields of Q3_K/Q4_K/Q5_K unpacked a word at a time.
@@ -324,44 +317,6 @@ void matmul_k_narrow(int64_t nb, const uint8_t* w, size_t ws, int64_t r0, int64_
   }
 }
 
-// NC columns (xq, xs bytes apart) against kcb unpacked blocks of one row, starting at block
-// b0 of the activations; y[c * ldy] receives (first) or accumulates the partial dots.
-template <int NC>
-inline void k_tile(const KU* ku, int kcb, const uint8_t* xq, size_t xs, int64_t b0, float* y, int64_t ldy,
-                   bool first) {
-  __m256 acc[NC];
-  for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-  for (int b = 0; b < kcb; ++b) {
-    const ActK* a[NC];
-    __m256i s[NC];
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) {
-      a[c] = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0 + b;
-      s[c] = _mm256_setzero_si256();
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(ku[b].q + 32 * i));
-#pragma GCC unroll 4
-      for (int c = 0; c < NC; ++c) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->qs + 32 * i));
-        s[c] = _mm256_add_epi32(s[c], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ku[b].sc[i]));
-      }
-    }
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) {
-      const __m256i m = _mm256_madd_epi16(ku[b].mn, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->bsums)));
-      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s[c]), _mm256_set1_ps(ku[b].d));
-      t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(ku[b].ndmin), t);
-      acc[c] = _mm256_fmadd_ps(t, _mm256_set1_ps(a[c]->d), acc[c]);
-    }
-  }
-  for (int c = 0; c < NC; ++c) {
-    const float v = hsum8(acc[c]);
-    y[c * ldy] = first ? v : y[c * ldy] + v;
-  }
-}
-
 template <T_ T>
 void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, const void* xv,
               size_t xs, int64_t ncols, float* y, int64_t ldy) {
@@ -375,42 +330,17 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
     case 4: return matmul_k_narrow<T, 4>(nb, w, ws, r0, r1, xq, xs, y, ldy);
     default: break;
   }
-  // Wider (prefill): in column blocks whose activations stay near L1 (16 columns; unpacking
-  // again per block costs less than streaming them from L2), each row's blocks are
-  // unpacked a chunk at a time into KU buffers and met by the columns four at a time (one
-  // load of the unpacked values serves four maddubs).
-  constexpr size_t bb = block_bytes<T>();
-  constexpr int64_t kColBlock = 16;
-  KU ku[KC];
-  for (int64_t c0 = 0; c0 < ncols; c0 += kColBlock) {
-    const int64_t nc = std::min(kColBlock, ncols - c0);
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t b0 = 0; b0 < nb; b0 += KC) {
-        const int kcb = int(std::min<int64_t>(KC, nb - b0));
-        for (int b = 0; b < kcb; ++b) {
-          const uint8_t* blk = w + size_t(r) * ws + size_t(b0 + b) * bb;
-          KUnpacked u;
-          k_scales_avx2<T>(blk, &u);
-          __m256i q[8];
-          k_unpack_avx2<T>(blk, q);
-          for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(ku[b].q + 32 * i), q[i]);
-          k_scale_vectors(u, ku[b].sc);
-          ku[b].mn = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.mn));
-          ku[b].d = u.d;
-          ku[b].ndmin = -u.dmin;
-        }
-        const bool first = b0 == 0;
-        int64_t c = c0;
-        for (; c + 4 <= c0 + nc; c += 4) k_tile<4>(ku, kcb, xq + size_t(c) * xs, xs, b0, y + c * ldy + r, ldy, first);
-        switch (c0 + nc - c) {
-          case 1: k_tile<1>(ku, kcb, xq + size_t(c) * xs, xs, b0, y + c * ldy + r, ldy, first); break;
-          case 2: k_tile<2>(ku, kcb, xq + size_t(c) * xs, xs, b0, y + c * ldy + r, ldy, first); break;
-          case 3: k_tile<3>(ku, kcb, xq + size_t(c) * xs, xs, b0, y + c * ldy + r, ldy, first); break;
-          default: break;
-        }
-      }
-    }
-  }
+  // Wider (prefill): the shared two-row tile (tile_avx2.h) over blocks unpacked into Prep256.
+  const auto prepare = [](const uint8_t* blk, Prep256* z) {
+    KUnpacked u;
+    k_scales_avx2<T>(blk, &u);
+    k_unpack_avx2<T>(blk, z->aq);
+    k_scale_vectors(u, z->sc);
+    z->corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.mn));
+    z->d = u.d;
+    z->dcorr = -u.dmin;
+  };
+  matmul_prep256_avx2<false, block_bytes<T>()>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 // ---------------------------------------------------------------------------------------
