@@ -132,6 +132,27 @@ def test_matmul_vs_gguf_dequant(t, rows, kb, ncols):
             f"{t.name}: {impl} disagrees with scalar by {np.abs(y - base).max() / scale:.3g}")
 
 
+@pytest.mark.parametrize("t", [Q.Q4_0, Q.Q4_K, Q.IQ2_XXS], ids=lambda t: t.name)
+def test_activation_quantization_identical_across_isas(t):
+    # Every ISA's activation quantizer writes the scalar reference's bytes: the same scales,
+    # the same round-half-to-even, the same sums — including exact ties, zero blocks, huge
+    # and tiny magnitudes, and a non-finite value (its block poisoned, the others intact).
+    rng = np.random.default_rng(int(t))
+    k = 1024
+    rows = [rng.standard_normal(k).astype(np.float32) * s for s in (1e-30, 1e-3, 1.0, 1e30)]
+    ties = (rng.integers(-127, 128, k) + 0.5).astype(np.float32)
+    ties[::37] = 127.0  # amax 127: x * 127 / amax lands on the .5 ties exactly
+    rows += [ties, np.zeros(k, np.float32)]
+    poisoned = rng.standard_normal(k).astype(np.float32)
+    poisoned[300] = np.nan
+    poisoned[700] = np.inf
+    rows.append(poisoned)
+    for x in rows:
+        ref = _core.kernels_quantize_act(int(t), x, impl="scalar")
+        for impl in available_impls():
+            np.testing.assert_array_equal(_core.kernels_quantize_act(int(t), x, impl=impl), ref, err_msg=impl)
+
+
 def test_isa_availability_reported():
     isa = _core.kernel_isa()
     assert isa in ("avx512", "avx2", "scalar")

@@ -85,6 +85,50 @@ def test_paged_attention_grouped_heads(G, n):
                                                                   table, n, scale))
 
 
+@pytest.mark.parametrize("D", [17, 64, 128])
+@pytest.mark.parametrize("nt,G", [(2, 1), (7, 3), (8, 8), (64, 1)])
+# pos0 250 with 8 tokens straddles the 256-position tile; 600 puts earlier tiles in full view
+@pytest.mark.parametrize("pos0", [0, 5, 250, 600])
+def test_paged_attention_causal_block(D, nt, G, pos0):
+    # A prefill block: nt consecutive tokens from position pos0, G heads each, every token
+    # seeing only positions up to its own — against float64 per (token, head), and exactly
+    # what the single-query kernel gives each token alone.
+    bs = 16
+    n = pos0 + nt
+    rng = np.random.default_rng(D * 7919 + nt * 31 + G + pos0)
+    n_pages = (n + bs - 1) // bs + 2
+    k = rng.standard_normal((n_pages, bs, D)).astype(np.float16)
+    v = rng.standard_normal((n_pages, bs, D)).astype(np.float16)
+    table = rng.permutation(n_pages)[: (n + bs - 1) // bs].astype(np.int32)
+    q = (rng.standard_normal((nt, G, D)) * np.linspace(0.5, 3.0, G)[None, :, None]).astype(np.float32)
+    scale = 1.0 / np.sqrt(D)
+    out = ops.paged_attention_causal(q, k.view(np.uint16), v.view(np.uint16), table, pos0, scale)
+    assert out.shape == (nt, G, D)
+    K = k[table].reshape(-1, D).astype(np.float64)
+    V = v[table].reshape(-1, D).astype(np.float64)
+    for t in range(nt):
+        seen = pos0 + t + 1
+        for h in range(G):
+            s = K[:seen] @ q[t, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            ref = (p / p.sum()) @ V[:seen]
+            assert np.abs(out[t, h] - ref).max() <= 3e-3 * max(1.0, np.abs(ref).max()), (t, h)
+        single = ops.paged_attention(q[t], k.view(np.uint16), v.view(np.uint16), table, seen, scale)
+        # bit for bit: chunked prefill and batching must not change a token's attention
+        np.testing.assert_array_equal(out[t], single.reshape(G, D))
+
+
+def test_paged_attention_causal_rejects_bad_shapes():
+    k = np.zeros((4, 16, 8), np.uint16)
+    table = np.arange(4, dtype=np.int32)
+    with pytest.raises(ValueError):  # more rows than a block holds
+        ops.paged_attention_causal(np.zeros((65, 1, 8), np.float32), k, k, table, 0, 1.0)
+    with pytest.raises(ValueError):  # past the pages
+        ops.paged_attention_causal(np.zeros((4, 1, 8), np.float32), k, k, table, 61, 1.0)
+    with pytest.raises(ValueError):  # head_dim differs from the pages'
+        ops.paged_attention_causal(np.zeros((2, 1, 9), np.float32), k, k, table, 0, 1.0)
+
+
 def test_paged_attention_rejects_bad_tables():
     k = np.zeros((2, 16, 8), np.uint16)
     with pytest.raises(ValueError):

@@ -135,6 +135,20 @@ void bind_kernels(py::module_& m) {
         py::arg("k"), py::arg("x"), py::arg("impl") = "auto", py::arg("threads") = 1,
         "y[ncols, rows] = x[ncols, k] @ dequant(W[rows, k]).T with x quantized per row the way "
         "the engine does (quantize_act_row + matmul_rows). impl: auto|scalar|avx2|avx512.");
+  m.def("kernels_quantize_act",
+        [](uint32_t type_id, py::array_t<float, py::array::c_style | py::array::forcecast> x,
+           const std::string& impl) {
+          TF_CHECK(type_id < kGgmlTypeIdLimit, "unknown type id ", type_id);
+          const GgmlType wt = GgmlType(type_id);
+          const int64_t k = x.size();
+          const size_t bytes = cpu::act_row_bytes(wt, k);  // checks the type and k
+          const CpuIsa isa = parse_impl(impl);
+          py::array_t<uint8_t> out{py::ssize_t(bytes)};
+          cpu::detail::quantize_act_row_isa(isa, wt, x.data(), out.mutable_data(), k);
+          return out;
+        },
+        py::arg("type_id"), py::arg("x"), py::arg("impl") = "auto",
+        "the activation row x quantized for weights of type_id, as the matmul reads it (bytes)");
   m.def("kernel_isa", [] { return std::string(cpu::kernel_isa()); },
         "ISA of the matmul kernels' fast path: avx512, avx2 or scalar");
   m.def("kernels_act_row_bytes", [](uint32_t type_id, int64_t k) {

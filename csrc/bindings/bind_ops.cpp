@@ -3,6 +3,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/attention.h"
@@ -21,19 +23,25 @@ using carray = py::array_t<T, py::array::c_style | py::array::forcecast>;
 
 void bind_ops(py::module_& m) {
   auto o = m.def_submodule("ops", "standalone CPU kernels for tests and benchmarks");
+  // Shapes of paged half K/V and a page table covering n positions; returns (block_size, head_dim).
+  auto check_pages = [](const carray<uint16_t>& k_pages, const carray<uint16_t>& v_pages,
+                        const carray<int32_t>& table, int64_t n) {
+    if (k_pages.ndim() != 3 || v_pages.ndim() != 3 || k_pages.shape(0) != v_pages.shape(0) ||
+        k_pages.shape(1) != v_pages.shape(1) || k_pages.shape(2) != v_pages.shape(2))
+      throw py::value_error("k_pages and v_pages must both be [pages, block_size, head_dim]");
+    const int64_t pages = k_pages.shape(0), bs = k_pages.shape(1);
+    if (n < 1 || n > table.size() * bs) throw py::value_error("n exceeds the pages in the table");
+    for (int64_t i = 0; i < table.size(); ++i)
+      if (table.data()[i] < 0 || table.data()[i] >= pages) throw py::value_error("table entry out of range");
+    return std::pair<int64_t, int64_t>(bs, k_pages.shape(2));
+  };
   o.def("paged_attention",
-        [](carray<float> q, carray<uint16_t> k_pages, carray<uint16_t> v_pages, carray<int32_t> table,
-           int64_t n, float scale) {
-          if (k_pages.ndim() != 3 || v_pages.ndim() != 3 || k_pages.shape(0) != v_pages.shape(0) ||
-              k_pages.shape(1) != v_pages.shape(1) || k_pages.shape(2) != v_pages.shape(2))
-            throw py::value_error("k_pages and v_pages must both be [pages, block_size, head_dim]");
-          const int64_t pages = k_pages.shape(0), bs = k_pages.shape(1), D = k_pages.shape(2);
+        [check_pages](carray<float> q, carray<uint16_t> k_pages, carray<uint16_t> v_pages, carray<int32_t> table,
+                      int64_t n, float scale) {
+          const auto [bs, D] = check_pages(k_pages, v_pages, table, n);
           // q: one head (head_dim values) or several sharing the KV head ([n_heads, head_dim]).
           if (q.size() % D != 0 || q.size() == 0) throw py::value_error("q must be [n_heads, head_dim]");
           const int64_t G = q.size() / D;
-          if (n < 1 || n > table.size() * bs) throw py::value_error("n exceeds the pages in the table");
-          for (int64_t i = 0; i < table.size(); ++i)
-            if (table.data()[i] < 0 || table.data()[i] >= pages) throw py::value_error("table entry out of range");
           py::array_t<float> out(q.ndim() == 2 ? std::vector<py::ssize_t>{G, D} : std::vector<py::ssize_t>{D});
           {
             py::gil_scoped_release nogil;
@@ -44,6 +52,25 @@ void bind_ops(py::module_& m) {
         },
         py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("table"), py::arg("n"),
         py::arg("scale"), "softmax(q.K*scale).V over paged half-precision K/V (pages as uint16 bits)");
+  o.def("paged_attention_causal",
+        [check_pages](carray<float> q, carray<uint16_t> k_pages, carray<uint16_t> v_pages, carray<int32_t> table,
+                      int64_t pos0, float scale) {
+          if (q.ndim() != 3) throw py::value_error("q must be [n_tokens, n_heads, head_dim]");
+          const int64_t nt = q.shape(0), G = q.shape(1);
+          const auto [bs, D] = check_pages(k_pages, v_pages, table, pos0 + nt);
+          if (q.shape(2) != D || pos0 < 0 || nt * G > cpu::kAttentionBlockRows)
+            throw py::value_error("q must be [n_tokens, n_heads, head_dim] with n_tokens * n_heads <= " +
+                                  std::to_string(cpu::kAttentionBlockRows));
+          py::array_t<float> out({nt, G, D});
+          {
+            py::gil_scoped_release nogil;
+            const cpu::PagedKv kv{k_pages.data(), v_pages.data(), size_t(bs * D), table.data(), int(bs)};
+            cpu::paged_attention_causal(q.data(), G * D, int(nt), int(G), int(D), kv, pos0, scale, out.mutable_data());
+          }
+          return out;
+        },
+        py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("table"), py::arg("pos0"), py::arg("scale"),
+        "paged_attention for n_tokens consecutive positions from pos0, causally, as one block");
   o.def("silu_mul", [](carray<float> g, carray<float> u) {
     if (g.size() != u.size()) throw py::value_error("g and u differ in size");
     py::array_t<float> out(g.size());

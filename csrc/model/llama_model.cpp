@@ -787,20 +787,40 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
   const int H = int(hl_), D = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv, HK = H / group;
   const int64_t T = int64_t(batch.size());
   const float scale = 1.0f / std::sqrt(float(D));
-  // One item per (token, KV head): the `group` query heads that share the KV head read its
-  // pages together. Items go in contiguous runs, many more runs than threads: causal
-  // prefill's triangular cost evens out because threads claim runs as they come free.
-  const int64_t items = T * HK;
+  // Tokens go in blocks: a run of consecutive positions of one sequence (a prefill chunk),
+  // up to kAttentionBlockRows query rows, is attended at once (its K/V tiles converted once);
+  // a lone token (decode) takes the single-query kernel. One item per (block, KV head): the
+  // `group` query heads that share the KV head read its pages together. Items go in
+  // contiguous runs, many more runs than threads: causal prefill's triangular cost evens out
+  // because threads claim runs as they come free.
+  const int max_block = std::max(1, cpu::kAttentionBlockRows / group);
+  std::vector<std::pair<int64_t, int>> blocks;  // (first token, tokens)
+  for (int64_t t = 0; t < T; ++t) {
+    if (!blocks.empty()) {
+      auto& [t0, nt] = blocks.back();
+      const BatchToken& first = batch[size_t(t0)];
+      if (nt < max_block && batch[size_t(t)].seq == first.seq && batch[size_t(t)].pos == first.pos + nt) {
+        ++nt;
+        continue;
+      }
+    }
+    blocks.emplace_back(t, 1);
+  }
+  const int64_t items = int64_t(blocks.size()) * HK;
   const int64_t runs = std::min<int64_t>(items, int64_t(pool.size()) * 16);
   pool.run_chunks(runs, [&](int64_t r, int) {
     for (int64_t it = r * items / runs; it < (r + 1) * items / runs; ++it) {
-      const int64_t t = it / HK;
+      const auto [t, nt] = blocks[size_t(it / HK)];
       const int g = int(it % HK);
       const BatchToken& bt = batch[size_t(t)];
       const cpu::PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
                                kv.block_table(bt.seq).data(), kv.block_size(), kv.type() == KvType::F32};
       const int64_t at = (t * H + int64_t(g) * group) * D;
-      cpu::paged_attention(q_.data() + at, group, D, pages, int64_t(bt.pos) + 1, scale, attn_.data() + at);
+      if (nt == 1)
+        cpu::paged_attention(q_.data() + at, group, D, pages, int64_t(bt.pos) + 1, scale, attn_.data() + at);
+      else
+        cpu::paged_attention_causal(q_.data() + at, int64_t(H) * D, nt, group, D, pages, bt.pos, scale,
+                                    attn_.data() + at);
     }
   });
 }

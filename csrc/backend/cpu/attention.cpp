@@ -89,4 +89,89 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
   for (int h = 0; h < G; ++h) ops.scale(D, out + size_t(h) * D, float(1.0 / sum[h]));
 }
 
+void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, int G, int D, const PagedKv& kv,
+                            int64_t pos0, float scale, float* out) {
+  const int R = n_tokens * G;
+  TF_CHECK(G > 0 && D > 0 && D <= kMaxHeadDim && n_tokens > 0 && R <= kAttentionBlockRows && pos0 >= 0,
+           "paged_attention_causal: bad sizes");
+  const VecOps& ops = vec_ops();
+  const int bs = kv.block_size;
+  constexpr int T = kAttentionTile;
+  // Per-thread scratch, bounded by the block and the tile: rounded queries, one tile of K
+  // (then V) rows as float, the block's tile scores and its output accumulators.
+  thread_local std::vector<float> scratch;
+  const size_t need = size_t(R) * D * 2 + size_t(T) * D + size_t(R) * T;
+  if (scratch.size() < need) scratch.resize(need);
+  float* qr = scratch.data();
+  float* acc = qr + size_t(R) * D;
+  float* rows = acc + size_t(R) * D;
+  float* scores = rows + size_t(T) * D;
+  for (int t = 0; t < n_tokens; ++t)
+    for (int i = 0; i < G * D; ++i) {
+      const float v = q[t * token_stride + i];
+      qr[size_t(t) * G * D + i] = kv.f32 ? v : fp16_to_fp32(fp32_to_fp16(v));
+    }
+  std::fill(acc, acc + size_t(R) * D, 0.f);
+  float mx[kAttentionBlockRows];
+  double sum[kAttentionBlockRows];
+  std::fill(mx, mx + R, -INFINITY);
+  std::fill(sum, sum + R, 0.0);
+  auto gather = [&](const void* base, int64_t j0, int64_t m) {
+    int64_t b = j0 / bs, in_page = j0 % bs;
+    for (int64_t j = 0; j < m; ++j) {
+      const size_t at = size_t(kv.table[b]) * kv.page_stride + size_t(in_page) * size_t(D);
+      if (kv.f32)
+        std::copy_n(static_cast<const float*>(base) + at, D, rows + j * D);
+      else
+        ops.f16_to_f32(D, static_cast<const uint16_t*>(base) + at, rows + j * D);
+      if (++in_page == bs) { in_page = 0; ++b; }
+    }
+  };
+  const int64_t n = pos0 + n_tokens;  // keys the last token sees
+  for (int64_t j0 = 0; j0 < n; j0 += T) {
+    const int m = int(std::min<int64_t>(T, n - j0));
+    gather(kv.k_base, j0, m);
+    ops.dot_block_f32(D, qr, D, R, rows, D, m, scores, T);
+    for (int r = 0; r < R; ++r) {
+      float* sc = scores + size_t(r) * T;
+      // Keys this row's token may see in the tile (at least one: position 0 is in the first).
+      const int seen = int(std::clamp<int64_t>(pos0 + r / G + 1 - j0, 0, m));
+      if (seen == 0) {
+        std::fill(sc, sc + m, 0.f);
+        continue;
+      }
+      float tile_max = -INFINITY;
+      for (int j = 0; j < seen; ++j) {
+        sc[j] *= scale;
+        tile_max = std::max(tile_max, sc[j]);
+      }
+      if (tile_max > mx[r]) {
+        if (j0 > 0) {
+          const float f = std::exp(mx[r] - tile_max);
+          ops.scale(D, acc + size_t(r) * D, f);
+          sum[r] *= double(f);
+        }
+        mx[r] = tile_max;
+      }
+      sum[r] += double(ops.exp_sub_sum(seen, sc, mx[r]));
+      if (!kv.f32) {  // probabilities rounded to half, as in paged_attention
+        uint16_t half[T];
+        ops.f32_to_f16(seen, sc, half);
+        ops.f16_to_f32(seen, half, sc);
+      }
+      std::fill(sc + seen, sc + m, 0.f);
+    }
+    gather(kv.v_base, j0, m);
+    ops.axpy_block_f32(D, scores, T, R, rows, D, m, acc, D);
+  }
+  for (int t = 0; t < n_tokens; ++t)
+    for (int h = 0; h < G; ++h) {
+      const int r = t * G + h;
+      const float inv = float(1.0 / sum[r]);
+      const float* src = acc + size_t(r) * D;
+      float* dst = out + t * token_stride + size_t(h) * D;
+      for (int i = 0; i < D; ++i) dst[i] = src[i] * inv;
+    }
+}
+
 }  // namespace tf::cpu

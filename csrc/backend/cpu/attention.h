@@ -27,4 +27,15 @@ constexpr int kAttentionTile = 256;
 void paged_attention(const float* q, int n_heads, int head_dim, const PagedKv& kv, int64_t n, float scale,
                      float* out);
 
+// Query rows one prefill block attends with at once (tokens x heads sharing a KV head).
+constexpr int kAttentionBlockRows = 64;
+
+// The same for n_tokens consecutive tokens of one sequence at positions pos0 .. pos0 +
+// n_tokens - 1, causally (token t sees positions 0 .. pos0 + t): head h of token t at
+// q + t * token_stride + h * head_dim, out likewise; n_tokens * n_heads <= kAttentionBlockRows.
+// Each tile of K and V rows is converted once for the whole block and met as small matrix
+// products — prefill's attention cost is there, not in the per-query loop above.
+void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, int n_heads, int head_dim,
+                            const PagedKv& kv, int64_t pos0, float scale, float* out);
+
 }  // namespace tf::cpu

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "backend/cpu/kernels_internal.h"
@@ -411,10 +412,55 @@ void matmul_f(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Activation quantization (bit-identical to quantize_scalar: the same scale, cvtps2dq rounds
+// to nearest even as nearbyint does; n is 32 or 256).
+
+inline void quant_block(const float* x, int n, int8_t* q, float* d_out, int* sum_out) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax = _mm256_setzero_ps();
+  __m256 poison = _mm256_setzero_ps();  // x * 0 is NaN exactly where x is NaN or inf
+  for (int i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v, abs_mask));
+    poison = _mm256_add_ps(poison, _mm256_mul_ps(v, _mm256_setzero_ps()));
+  }
+  if (_mm256_movemask_ps(_mm256_cmp_ps(poison, poison, _CMP_UNORD_Q))) {
+    std::memset(q, 0, size_t(n));  // as the scalar reference: a NaN scale, no integers
+    *d_out = std::numeric_limits<float>::quiet_NaN();
+    *sum_out = 0;
+    return;
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float am = _mm_cvtss_f32(m4);
+  const float d = am / 127.f;
+  const float id = am != 0.f ? 127.f / am : 0.f;
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < n; i += 32) {
+    __m256i v[4];
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), vid));
+      sum = _mm256_add_epi32(sum, v[j]);
+    }
+    // packs interleave the 128-bit lanes; the final permute restores element order
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                        _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  *d_out = d;
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *sum_out = _mm_cvtsi128_si32(s4);
+}
+
 }  // namespace
 
 void quantize_avx2(ActKind kind, const float* x, void* xq, int64_t k) {
-  quantize_scalar(kind, x, xq, k);
+  quantize_row_with(kind, x, xq, k, quant_block);
 }
 
 }  // namespace tf::cpu::detail

@@ -67,9 +67,22 @@ void axpy_rows_f32_scalar(int64_t n, const float* alpha, int m, const float* x, 
   for (int h = 0; h < m; ++h) axpy_f32_scalar(n, alpha[h], x, y + h * ldy);
 }
 
+void dot_block_f32_scalar(int64_t n, const float* a, int64_t lda, int rows, const float* b, int64_t ldb, int m,
+                          float* s, int64_t lds) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < m; ++j) s[r * lds + j] = dot_f32_scalar(n, a + r * lda, b + j * ldb);
+}
+
+void axpy_block_f32_scalar(int64_t n, const float* p, int64_t ldp, int rows, const float* x, int64_t ldx, int m,
+                           float* y, int64_t ldy) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < m; ++j) axpy_f32_scalar(n, p[r * ldp + j], x + j * ldx, y + r * ldy);
+}
+
 const VecOps kScalar = {dot_f32_f16_scalar, axpy_f16_scalar, f32_to_f16_scalar, exp_sub_sum_scalar,
                         silu_mul_scalar,    scale_scalar,    dot_f32_scalar,    axpy_f32_scalar,
-                        f16_to_f32_scalar,  dot_rows_f32_scalar, axpy_rows_f32_scalar};
+                        f16_to_f32_scalar,  dot_rows_f32_scalar, axpy_rows_f32_scalar,
+                        dot_block_f32_scalar, axpy_block_f32_scalar};
 
 }  // namespace
 
@@ -78,7 +91,16 @@ const VecOps& vec_ops_scalar() { return kScalar; }
 const VecOps& vec_ops() {
   static const VecOps* ops = [] {
 #if defined(TF_HAVE_X86_KERNELS)
-    if (best_isa() == CpuIsa::Avx512) return vec_ops_avx512_table();
+    // An entry an ISA's table leaves empty falls back to the next ISA down.
+    if (best_isa() == CpuIsa::Avx512) {
+      static VecOps merged = *vec_ops_avx512_table();
+      const VecOps& avx2 = *vec_ops_avx2_table();
+      if (!merged.dot_rows_f32) merged.dot_rows_f32 = avx2.dot_rows_f32;
+      if (!merged.axpy_rows_f32) merged.axpy_rows_f32 = avx2.axpy_rows_f32;
+      if (!merged.dot_block_f32) merged.dot_block_f32 = avx2.dot_block_f32;
+      if (!merged.axpy_block_f32) merged.axpy_block_f32 = avx2.axpy_block_f32;
+      return static_cast<const VecOps*>(&merged);
+    }
     if (best_isa() == CpuIsa::Avx2) return vec_ops_avx2_table();
 #endif
     return &kScalar;

@@ -28,6 +28,14 @@ struct VecOps {
   void (*dot_rows_f32)(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out);
   // y[h * ldy + i] += alpha[h] * x[i] for h < m (the heads that share a V row).
   void (*axpy_rows_f32)(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy);
+  // s[r * lds + j] = sum_i a[r * lda + i] * b[j * ldb + i] for r < rows, j < m: every query row
+  // of a prefill block against every K row of a tile (A B^T).
+  void (*dot_block_f32)(int64_t n, const float* a, int64_t lda, int rows, const float* b, int64_t ldb, int m,
+                        float* s, int64_t lds);
+  // y[r * ldy + i] += sum_j p[r * ldp + j] * x[j * ldx + i] for r < rows, i < n: the
+  // probabilities of a block of query rows times a tile of V rows (P X), accumulated.
+  void (*axpy_block_f32)(int64_t n, const float* p, int64_t ldp, int rows, const float* x, int64_t ldx, int m,
+                         float* y, int64_t ldy);
 };
 
 const VecOps& vec_ops();

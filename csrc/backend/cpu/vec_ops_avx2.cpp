@@ -131,58 +131,142 @@ void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
   for (; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
 }
 
-// Four rows at a time: four independent FMA chains (a single dot of 128 values is bound by
-// FMA latency), one load of b for all four. Row h's sum: one 8-lane accumulator, then the
-// scalar tail, the same for any m.
-void dot_rows_f32(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out) {
-  const int64_t n8 = n / 8 * 8;
-  int h = 0;
-  for (; h + 4 <= m; h += 4) {
-    const float* r0 = a + h * lda;
-    const float *r1 = r0 + lda, *r2 = r1 + lda, *r3 = r2 + lda;
-    __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n8; i += 8) {
-      const __m256 bv = _mm256_loadu_ps(b + i);
-      c0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + i), bv, c0);
-      c1 = _mm256_fmadd_ps(_mm256_loadu_ps(r1 + i), bv, c1);
-      c2 = _mm256_fmadd_ps(_mm256_loadu_ps(r2 + i), bv, c2);
-      c3 = _mm256_fmadd_ps(_mm256_loadu_ps(r3 + i), bv, c3);
-    }
-    float s0 = hsum(c0), s1 = hsum(c1), s2 = hsum(c2), s3 = hsum(c3);
-    for (int64_t i = n8; i < n; ++i) {
-      s0 += r0[i] * b[i];
-      s1 += r1[i] * b[i];
-      s2 += r2[i] * b[i];
-      s3 += r3[i] * b[i];
-    }
-    out[h] = s0, out[h + 1] = s1, out[h + 2] = s2, out[h + 3] = s3;
-  }
-  for (; h < m; ++h) {
-    const float* r = a + h * lda;
-    __m256 c = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n8; i += 8) c = _mm256_fmadd_ps(_mm256_loadu_ps(r + i), _mm256_loadu_ps(b + i), c);
-    float s = hsum(c);
-    for (int64_t i = n8; i < n; ++i) s += r[i] * b[i];
-    out[h] = s;
-  }
+// ---- attention products --------------------------------------------------------------
+// The single-query kernel (dot_rows_f32 / axpy_rows_f32) and the prefill block kernel
+// (dot_block_f32 / axpy_block_f32) compute every output with the same operations in the same
+// order, so a token's attention is bit for bit the same whichever kernel served it — a prompt
+// prefilled in chunks of any size, or decoded in a batch, gives exactly the tokens it gives
+// alone. A dot: one 8-lane FMA chain over i, the lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)),
+// then the scalar tail. A V row: y = fma(p, x, y) in row order, the tail as y += p * x.
+
+// Eight 8-lane accumulators to their eight totals (v[p] -> lane p), in that lane order.
+inline __m256 lane_totals8(const __m256* v) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
 }
 
-void axpy_rows_f32(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy) {
+// RB rows of a (RB <= 2) against JB rows of b (JB <= 4): one accumulator per pair, each load
+// of a or b shared by the pairs that use it; s[rr * lds + jj].
+template <int RB, int JB>
+inline void dot_tile(int64_t n, const float* a, int64_t lda, const float* b, int64_t ldb, float* s, int64_t lds) {
   const int64_t n8 = n / 8 * 8;
+  __m256 acc[8];
+  #pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) acc[p] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n8; i += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + i);
-    for (int h = 0; h < m; ++h) {
-      float* yh = y + h * ldy + i;
-      _mm256_storeu_ps(yh, _mm256_fmadd_ps(_mm256_set1_ps(alpha[h]), xv, _mm256_loadu_ps(yh)));
+    __m256 av[RB];
+    #pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) av[rr] = _mm256_loadu_ps(a + rr * lda + i);
+    #pragma GCC unroll 4
+    for (int jj = 0; jj < JB; ++jj) {
+      const __m256 bv = _mm256_loadu_ps(b + jj * ldb + i);
+      #pragma GCC unroll 4
+      for (int rr = 0; rr < RB; ++rr) acc[4 * rr + jj] = _mm256_fmadd_ps(av[rr], bv, acc[4 * rr + jj]);
     }
   }
-  for (int h = 0; h < m; ++h)
-    for (int64_t i = n8; i < n; ++i) y[h * ldy + i] += alpha[h] * x[i];
+  alignas(32) float out[8];
+  _mm256_store_ps(out, lane_totals8(acc));
+  #pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+    #pragma GCC unroll 4
+    for (int jj = 0; jj < JB; ++jj) {
+      float t = out[4 * rr + jj];
+      for (int64_t i = n8; i < n; ++i) t += a[rr * lda + i] * b[jj * ldb + i];
+      s[rr * lds + jj] = t;
+    }
 }
 
-const VecOps kAvx2 = {dot_f32_f16, axpy_f16, f32_to_f16,   exp_sub_sum,  silu_mul,
-                      scale,       dot_f32,  axpy_f32,     f16_to_f32,   dot_rows_f32,
-                      axpy_rows_f32};
+// m rows of a against one b (the query heads that share a K row): b as the tile's single
+// row, the heads four at a time as its columns — four independent FMA chains.
+void dot_rows_f32(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out) {
+  int h = 0;
+  for (; h + 4 <= m; h += 4) dot_tile<1, 4>(n, b, 0, a + h * lda, lda, out + h, 1);
+  switch (m - h) {
+    case 1: dot_tile<1, 1>(n, b, 0, a + h * lda, lda, out + h, 1); break;
+    case 2: dot_tile<1, 2>(n, b, 0, a + h * lda, lda, out + h, 1); break;
+    case 3: dot_tile<1, 3>(n, b, 0, a + h * lda, lda, out + h, 1); break;
+    default: break;
+  }
+}
+
+template <int RB>
+inline void dot_block_rows(int64_t n, const float* a, int64_t lda, const float* b, int64_t ldb, int m, float* s,
+                           int64_t lds) {
+  int j = 0;
+  for (; j + 4 <= m; j += 4) dot_tile<RB, 4>(n, a, lda, b + j * ldb, ldb, s + j, lds);
+  switch (m - j) {
+    case 1: dot_tile<RB, 1>(n, a, lda, b + j * ldb, ldb, s + j, lds); break;
+    case 2: dot_tile<RB, 2>(n, a, lda, b + j * ldb, ldb, s + j, lds); break;
+    case 3: dot_tile<RB, 3>(n, a, lda, b + j * ldb, ldb, s + j, lds); break;
+    default: break;
+  }
+}
+
+void dot_block_f32(int64_t n, const float* a, int64_t lda, int rows, const float* b, int64_t ldb, int m, float* s,
+                   int64_t lds) {
+  int r = 0;
+  for (; r + 2 <= rows; r += 2) dot_block_rows<2>(n, a + r * lda, lda, b, ldb, m, s + r * lds, lds);
+  if (r < rows) dot_block_rows<1>(n, a + r * lda, lda, b, ldb, m, s + r * lds, lds);
+}
+
+// RB rows of y, W vectors wide, over m rows of x: the accumulators start from y and end in it.
+template <int RB, int W>
+inline void axpy_tile(const float* p, int64_t ldp, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
+  __m256 acc[RB][W];
+  #pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+    #pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) acc[rr][w] = _mm256_loadu_ps(y + rr * ldy + 8 * w);
+  for (int j = 0; j < m; ++j) {
+    __m256 xv[W];
+    #pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) xv[w] = _mm256_loadu_ps(x + j * ldx + 8 * w);
+    #pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr) {
+      const __m256 pv = _mm256_broadcast_ss(p + rr * ldp + j);
+      #pragma GCC unroll 2
+      for (int w = 0; w < W; ++w) acc[rr][w] = _mm256_fmadd_ps(pv, xv[w], acc[rr][w]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int rr = 0; rr < RB; ++rr)
+    #pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(y + rr * ldy + 8 * w, acc[rr][w]);
+}
+
+template <int RB>
+inline void axpy_rows_block(int64_t n, const float* p, int64_t ldp, const float* x, int64_t ldx, int m, float* y,
+                            int64_t ldy) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) axpy_tile<RB, 2>(p, ldp, x + i, ldx, m, y + i, ldy);
+  for (; i + 8 <= n; i += 8) axpy_tile<RB, 1>(p, ldp, x + i, ldx, m, y + i, ldy);
+  for (; i < n; ++i)
+    #pragma GCC unroll 4
+    for (int rr = 0; rr < RB; ++rr)
+      for (int j = 0; j < m; ++j) y[rr * ldy + i] += p[rr * ldp + j] * x[j * ldx + i];
+}
+
+void axpy_block_f32(int64_t n, const float* p, int64_t ldp, int rows, const float* x, int64_t ldx, int m, float* y,
+                    int64_t ldy) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) axpy_rows_block<4>(n, p + r * ldp, ldp, x, ldx, m, y + r * ldy, ldy);
+  switch (rows - r) {
+    case 1: axpy_rows_block<1>(n, p + r * ldp, ldp, x, ldx, m, y + r * ldy, ldy); break;
+    case 2: axpy_rows_block<2>(n, p + r * ldp, ldp, x, ldx, m, y + r * ldy, ldy); break;
+    case 3: axpy_rows_block<3>(n, p + r * ldp, ldp, x, ldx, m, y + r * ldy, ldy); break;
+    default: break;
+  }
+}
+
+// One V row into m heads: the block product with a single row of x (ldp 1: alpha[h] is head h's).
+void axpy_rows_f32(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy) {
+  axpy_block_f32(n, alpha, 1, m, x, 0, 1, y, ldy);
+}
+
+const VecOps kAvx2 = {dot_f32_f16,   axpy_f16,     f32_to_f16,    exp_sub_sum, silu_mul,
+                      scale,         dot_f32,      axpy_f32,      f16_to_f32,  dot_rows_f32,
+                      axpy_rows_f32, dot_block_f32, axpy_block_f32};
 
 }  // namespace
 

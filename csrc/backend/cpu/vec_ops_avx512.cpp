@@ -141,49 +141,10 @@ void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
   for (; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
 }
 
-// As in vec_ops_avx2.cpp: four independent chains, one load of b for four rows; row h's sum
-// is one 16-lane accumulator (the tail masked), the same for any m.
-void dot_rows_f32(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out) {
-  int h = 0;
-  for (; h + 4 <= m; h += 4) {
-    const float* r0 = a + h * lda;
-    const float *r1 = r0 + lda, *r2 = r1 + lda, *r3 = r2 + lda;
-    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps(), c3 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-      const __m512 bv = _mm512_maskz_loadu_ps(k, b + i);
-      c0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, r0 + i), bv, c0);
-      c1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, r1 + i), bv, c1);
-      c2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, r2 + i), bv, c2);
-      c3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, r3 + i), bv, c3);
-    }
-    out[h] = _mm512_reduce_add_ps(c0), out[h + 1] = _mm512_reduce_add_ps(c1);
-    out[h + 2] = _mm512_reduce_add_ps(c2), out[h + 3] = _mm512_reduce_add_ps(c3);
-  }
-  for (; h < m; ++h) {
-    const float* r = a + h * lda;
-    __m512 c = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-      c = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, r + i), _mm512_maskz_loadu_ps(k, b + i), c);
-    }
-    out[h] = _mm512_reduce_add_ps(c);
-  }
-}
-
-void axpy_rows_f32(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    const __m512 xv = _mm512_maskz_loadu_ps(k, x + i);
-    for (int h = 0; h < m; ++h) {
-      float* yh = y + h * ldy + i;
-      _mm512_mask_storeu_ps(yh, k, _mm512_fmadd_ps(_mm512_set1_ps(alpha[h]), xv, _mm512_maskz_loadu_ps(k, yh)));
-    }
-  }
-}
-
-const VecOps kAvx512 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum,  silu_mul,     scale,
-                        dot_f32,     axpy_f32, f16_to_f32, dot_rows_f32, axpy_rows_f32};
+// The attention products come from the AVX2 table (vec_ops()): single-query and block
+// attention must agree bit for bit, and they do by sharing one implementation.
+const VecOps kAvx512 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum, silu_mul, scale,  dot_f32,
+                        axpy_f32,    f16_to_f32, nullptr,  nullptr,     nullptr,  nullptr};
 
 }  // namespace
 
