@@ -132,7 +132,7 @@ TF_TARGET_AVX2 inline void prefetch_block(const uint8_t* p, size_t bytes) {
 // Small-value formats (every |q| <= 63: the IQ2/IQ3 grids, ternary) skip the per-column sign:
 // aq holds q + 64 (1..127, unsigned), so maddubs(q + 64, x) = q*x + 64*x pairs stay below
 // 2 * 127 * 127, and the 64 * sum(x) surplus of each 16-value group is taken off with the
-// activation's bsums (corr = 64 * sc, dcorr = -d).
+// activation's bsums (corr = 64 * sc, TileMode::MinInt).
 template <bool Offset>
 TF_TARGET_AVX2 inline void d256_to_prep(const Decoded256& u, Prep256& z) {
   const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
@@ -148,8 +148,7 @@ TF_TARGET_AVX2 inline void d256_to_prep(const Decoded256& u, Prep256& z) {
     }
     z.sc[i] = _mm256_shuffle_epi8(i < 4 ? lo : hi, _mm256_load_si256(reinterpret_cast<const __m256i*>(kScalePairShuffle[i % 4])));
   }
-  z.d = u.d;
-  z.dcorr = -u.d;
+  z.set_scales(u.d, -u.d);
 }
 
 // Offset: every decoded |q| <= 63 (see d256_to_prep).
@@ -161,7 +160,7 @@ TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* w, size_t ws, int64_
     Decode(blk, &u);
     d256_to_prep<Offset>(u, *z);
   };
-  matmul_prep256_avx2<!Offset, kBytes>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+  matmul_prep256_avx2<Offset ? TileMode::MinInt : TileMode::Signed, kBytes>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 // ---- AVX2, fused narrow products (decode) ------------------------------------------------

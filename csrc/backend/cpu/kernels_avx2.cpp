@@ -338,10 +338,11 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
     k_unpack_avx2<T>(blk, z->aq);
     k_scale_vectors(u, z->sc);
     z->corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.mn));
-    z->d = u.d;
-    z->dcorr = -u.dmin;
+    z->set_scales(u.d, -u.dmin);
   };
-  matmul_prep256_avx2<false, block_bytes<T>()>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+  // Q3_K and Q6_K's offsets (4, 32) are scaled by d itself: taken off in integers.
+  constexpr TileMode mode = (T == T_::Q3_K || T == T_::Q6_K) ? TileMode::MinInt : TileMode::MinFloat;
+  matmul_prep256_avx2<mode, block_bytes<T>()>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 // ---------------------------------------------------------------------------------------

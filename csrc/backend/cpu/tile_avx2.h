@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "backend/cpu/kernels_internal.h"
 
@@ -24,20 +26,30 @@
 
 namespace tf::cpu::detail {
 
+// How a format's prepared blocks meet the activations (see Prep256).
+enum class TileMode {
+  Signed,    // aq = |q|; q's signs go onto the activations; no correction term
+  MinInt,    // aq = q + 64 (|q| <= 63); corr = 64 * scale taken off S in integers
+  MinFloat,  // aq = unsigned K-quant codes; corr = mins, scaled by their own dmin
+};
+
 // One 256-value weight block prepared for the tile. Its dot with an activation block
 // (ActK: qs, bsums, d) is
 //   d_x * (d * S + dcorr * M),  S = sum_i madd(maddubs(aq[i], x_i'), sc[i]),  M = madd(corr, bsums)
-// where x_i' is the i-th 32-value chunk of qs, or — Signed formats — that chunk with the signs
-// of q[i] (aq = |q|: maddubs needs one unsigned operand). Unsigned formats use M for what
-// their unsigned codes leave out: the K-quant mins (corr = mins, dcorr = -dmin) or the +64 of
-// small-value formats stored as q + 64 (corr = 64 * scale, dcorr = -d). Every S and M fits in
-// int32 (|q| <= 127 with no saturating pair, |scale| <= 127 or a K-quant's 6 bits).
+// where x_i' is the i-th 32-value chunk of qs, or — Signed — that chunk with the signs of
+// q[i] (maddubs needs one unsigned operand). MinInt: dcorr = -d, so d * (S - M). MinFloat:
+// dcorr = -dmin. Every S and M fits in int32 (|q| <= 127 with no saturating pair, |scale| <=
+// 127 or a K-quant's 6 bits). d4 / dc4: d and dcorr in four lanes (the tile's row halves).
 struct alignas(32) Prep256 {
   __m256i aq[8];
-  __m256i q[8];  // Signed only
+  __m256i q[8];   // Signed only
   __m256i sc[8];  // int16 scale of each maddubs lane (kScalePairShuffle)
-  __m256i corr;   // int16 per 16-value group; unsigned formats only
-  float d, dcorr;
+  __m256i corr;   // int16 per 16-value group; Min modes only
+  __m128 d4, dc4;
+  void set_scales(float d, float dcorr) {
+    d4 = _mm_set1_ps(d);
+    dc4 = _mm_set1_ps(dcorr);
+  }
 };
 
 // Eight int32 vectors to one float vector of their eight totals, v[p] -> lane p.
@@ -113,11 +125,13 @@ TF_TARGET_AVX2 inline void tile24_block(const Prep256* z0, const Prep256* z1, co
 }
 
 // NR (1, 2) rows — kcb prepared blocks each, z[r][b] — against NC (1..4) columns (xq, xs
-// bytes apart), from activation block b0. y[c * ldy + r] receives (first) or accumulates the
-// partial dots. Lane r * 4 + c of the accumulator holds (row r, column c).
-template <int NR, int NC, bool Signed>
-TF_TARGET_AVX2 inline void prep256_tile(const Prep256* const* z, int kcb, const uint8_t* xq, size_t xs, int64_t b0,
-                                        float* y, int64_t ldy, bool first) {
+// bytes apart), from activation block b0; dx[b * ldd + c]: column c's scale in block b0 + b
+// (zero past NC). y[c * ldy + r] receives (first) or accumulates the partial dots. Lane
+// r * 4 + c of the accumulator holds (row r, column c).
+template <int NR, int NC, TileMode M>
+TF_TARGET_AVX2 __attribute__((noinline)) void prep256_tile(const Prep256* const* z, int kcb, const uint8_t* xq, size_t xs, int64_t b0,
+                                        const float* dx, int64_t ldd, float* y, int64_t ldy, bool first) {
+  constexpr bool Signed = M == TileMode::Signed;
   __m256 acc = _mm256_setzero_ps();
   for (int b = 0; b < kcb; ++b) {
     const ActK* a[NC];
@@ -146,23 +160,22 @@ TF_TARGET_AVX2 inline void prep256_tile(const Prep256* const* z, int kcb, const 
         }
       }
     }
-    const float d1 = NR > 1 ? z[NR - 1][b].d : 0.f;
-    __m256 t = _mm256_mul_ps(sum8_lanes(s), _mm256_setr_m128(_mm_set1_ps(z[0][b].d), _mm_set1_ps(d1)));
-    if (!Signed) {
+    const Prep256& z0 = z[0][b];
+    const Prep256& z1 = z[NR - 1][b];
+    __m256i m[8];
+    if constexpr (M != TileMode::Signed) {
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
         const int r = p / 4, c = p % 4;
-        s[p] = (r < NR && c < NC)
+        m[p] = (r < NR && c < NC)
                    ? _mm256_madd_epi16(z[r][b].corr, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[c]->bsums)))
                    : _mm256_setzero_si256();
+        if constexpr (M == TileMode::MinInt) s[p] = _mm256_sub_epi32(s[p], m[p]);
       }
-      const float c1 = NR > 1 ? z[NR - 1][b].dcorr : 0.f;
-      t = _mm256_fmadd_ps(sum8_lanes(s), _mm256_setr_m128(_mm_set1_ps(z[0][b].dcorr), _mm_set1_ps(c1)), t);
     }
-    alignas(16) float dx[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) dx[c] = a[c]->d;
-    acc = _mm256_fmadd_ps(t, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dx)), acc);
+    __m256 t = _mm256_mul_ps(sum8_lanes(s), _mm256_setr_m128(z0.d4, z1.d4));
+    if constexpr (M == TileMode::MinFloat) t = _mm256_fmadd_ps(sum8_lanes(m), _mm256_setr_m128(z0.dc4, z1.dc4), t);
+    acc = _mm256_fmadd_ps(t, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(dx + b * ldd)), acc);
   }
   alignas(32) float out[8];
   _mm256_store_ps(out, acc);
@@ -175,17 +188,27 @@ constexpr int64_t kPrepColBlock = 64;    // columns whose activations stay in L2
 
 // y[c * ldy + r] = dot(row r, column c) for rows r0..r1 and all columns. prepare(block, &z)
 // fills one Prep256 from kBytes of a row. Rows go in pairs: a pair's blocks are prepared a
-// chunk at a time (they stay in L1) and met by the columns of a block four at a time.
-template <bool Signed, size_t kBytes, class Prepare>
+// chunk at a time (they stay in L1) and met by the columns of a block four at a time. The
+// column block's activation scales are gathered once into a table the tiles read four at a time.
+template <TileMode M, size_t kBytes, class Prepare>
 TF_TARGET_AVX2 void matmul_prep256_avx2(Prepare prepare, int64_t k, const void* wv, size_t ws, int64_t r0,
                                         int64_t r1, const void* xv, size_t xs, int64_t ncols, float* y, int64_t ldy) {
   const uint8_t* w = static_cast<const uint8_t*>(wv);
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
   const int64_t nb = k / 256;
+  constexpr int64_t ldd = kPrepColBlock + 4;  // the last tile reads four lanes, zeros past the columns
+  thread_local std::vector<float> dx_table;
+  if (dx_table.size() < size_t(nb * ldd)) dx_table.resize(size_t(nb * ldd));
+  float* dx = dx_table.data();
   Prep256 z[2][kPrepChunk];
   const Prep256* zr[2] = {z[0], z[1]};
   for (int64_t c0 = 0; c0 < ncols; c0 += kPrepColBlock) {
     const int64_t ce = std::min(ncols, c0 + kPrepColBlock);
+    for (int64_t b = 0; b < nb; ++b) {
+      float* row = dx + b * ldd;
+      for (int64_t c = c0; c < ce; ++c) row[c - c0] = (reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b)->d;
+      std::fill(row + (ce - c0), row + ldd, 0.f);
+    }
     for (int64_t r = r0; r < r1; r += 2) {
       const bool pair = r + 1 < r1;
       for (int64_t b0 = 0; b0 < nb; b0 += kPrepChunk) {
@@ -195,23 +218,23 @@ TF_TARGET_AVX2 void matmul_prep256_avx2(Prepare prepare, int64_t k, const void* 
         const bool first = b0 == 0;
         float* yr = y + r;
         int64_t c = c0;
-        if (pair) {
-          for (; c + 4 <= ce; c += 4) prep256_tile<2, 4, Signed>(zr, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first);
+        auto tile = [&](auto nr, auto nc) TF_TARGET_AVX2 {
+          prep256_tile<decltype(nr)::value, decltype(nc)::value, M>(zr, kcb, xq + size_t(c) * xs, xs, b0,
+                                                                    dx + b0 * ldd + (c - c0), ldd, yr + c * ldy, ldy, first);
+        };
+        using one = std::integral_constant<int, 1>;
+        using two = std::integral_constant<int, 2>;
+        const auto rows_tile = [&](auto nr) TF_TARGET_AVX2 {
+          for (; c + 4 <= ce; c += 4) tile(nr, std::integral_constant<int, 4>());
           switch (ce - c) {
-            case 1: prep256_tile<2, 1, Signed>(zr, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-            case 2: prep256_tile<2, 2, Signed>(zr, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-            case 3: prep256_tile<2, 3, Signed>(zr, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
+            case 1: tile(nr, one()); break;
+            case 2: tile(nr, two()); break;
+            case 3: tile(nr, std::integral_constant<int, 3>()); break;
             default: break;
           }
-        } else {
-          for (; c + 4 <= ce; c += 4) prep256_tile<1, 4, Signed>(zr, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first);
-          switch (ce - c) {
-            case 1: prep256_tile<1, 1, Signed>(zr, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-            case 2: prep256_tile<1, 2, Signed>(zr, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-            case 3: prep256_tile<1, 3, Signed>(zr, kcb, xq + size_t(c) * xs, xs, b0, yr + c * ldy, ldy, first); break;
-            default: break;
-          }
-        }
+        };
+        if (pair) rows_tile(two());
+        else rows_tile(one());
       }
     }
   }
