@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "backend/cpu/kernels_internal.h"
+#include "backend/cpu/tile8_avx2.h"
 #include "backend/cpu/tile_avx2.h"
 #include "quant/blocks.h"
 
@@ -331,7 +332,11 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
     case 4: return matmul_k_narrow<T, 4>(nb, w, ws, r0, r1, xq, xs, y, ldy);
     default: break;
   }
-  // Wider (prefill): the shared two-row tile (tile_avx2.h) over blocks unpacked into Prep256.
+  // Wider (prefill): eight rows interleaved (tile8_avx2.h); rows left over by the groups of
+  // eight take the two-row tile (tile_avx2.h) over blocks unpacked into Prep256.
+  // Q3_K and Q6_K's offsets (4, 32) are scaled by d itself: taken off in integers.
+  constexpr TileMode mode = (T == T_::Q3_K || T == T_::Q6_K) ? TileMode::MinInt : TileMode::MinFloat;
+  constexpr size_t bb = block_bytes<T>();
   const auto prepare = [](const uint8_t* blk, Prep256* z) {
     KUnpacked u;
     k_scales_avx2<T>(blk, &u);
@@ -340,9 +345,27 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
     z->corr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.mn));
     z->set_scales(u.d, -u.dmin);
   };
-  // Q3_K and Q6_K's offsets (4, 32) are scaled by d itself: taken off in integers.
-  constexpr TileMode mode = (T == T_::Q3_K || T == T_::Q6_K) ? TileMode::MinInt : TileMode::MinFloat;
-  matmul_prep256_avx2<mode, block_bytes<T>()>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+  const auto prepare8 = [](const uint8_t* row0, size_t row_stride, size_t b, Inter8* z) {
+    __m256i q[8][8], sc[8], corr[8];
+    alignas(32) float d[8], dc[8];
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* blk = row0 + r * row_stride + b * bb;
+      KUnpacked u;
+      k_scales_avx2<T>(blk, &u);
+      k_unpack_avx2<T>(blk, q[r]);
+      sc[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
+      corr[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.mn));
+      d[r] = u.d;
+      dc[r] = -u.dmin;
+    }
+    interleave8(q, sc, corr, d, dc, *z);
+  };
+  const auto rest = [&](int64_t ra, int64_t rb) {
+    matmul_prep256_avx2<mode, bb>(prepare, k, w, ws, ra, rb, xq, xs, ncols, y, ldy);
+  };
+  // int16 sums of four maddubs stay in range for codes up to 31; Q6_K's 63 allow two.
+  constexpr int steps = T == T_::Q6_K ? 2 : 4;
+  matmul_inter8_avx2<steps, mode>(prepare8, rest, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 // ---------------------------------------------------------------------------------------
