@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "backend/cpu/kernels_internal.h"
+#include "backend/cpu/tile8_avx2.h"
 #include "backend/cpu/tile_avx2.h"
 
 #if defined(TF_HAVE_X86_KERNELS)
@@ -151,16 +152,43 @@ TF_TARGET_AVX2 inline void d256_to_prep(const Decoded256& u, Prep256& z) {
   z.set_scales(u.d, -u.d);
 }
 
-// Offset: every decoded |q| <= 63 (see d256_to_prep).
-template <Decode256Fn Decode, size_t kBytes, bool Offset = false>
+// kMaxAbsQ: the largest |q| the decoder produces. Eight rows at a time go through the
+// interleaved tile (tile8_avx2.h) in signed mode, summing as many steps in int16 as |q|
+// allows; the rows left over, and formats whose |q| allows no int16 sums, take the two-row
+// tile — in offset mode when |q| <= 63 (see d256_to_prep).
+template <Decode256Fn Decode, size_t kBytes, int kMaxAbsQ = 127>
 TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1,
                                      const void* xq, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  constexpr bool kOffset = kMaxAbsQ <= 63;
   const auto prepare = [](const uint8_t* blk, Prep256* z) TF_TARGET_AVX2 {
     Decoded256 u;
     Decode(blk, &u);
-    d256_to_prep<Offset>(u, *z);
+    d256_to_prep<kOffset>(u, *z);
   };
-  matmul_prep256_avx2<Offset ? TileMode::MinInt : TileMode::Signed, kBytes>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+  constexpr TileMode two_row_mode = kOffset ? TileMode::MinInt : TileMode::Signed;
+  // maddubs pairs reach 2 * |q| * 127; kSteps of them must fit in int16
+  constexpr int kPair = 2 * kMaxAbsQ * 127;
+  constexpr int kSteps = 4 * kPair <= 32767 ? 4 : 2 * kPair <= 32767 ? 2 : 1;
+  if constexpr (kSteps == 1) {
+    matmul_prep256_avx2<two_row_mode, kBytes>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+  } else {
+    const auto prepare8 = [](const uint8_t* row0, size_t row_stride, size_t b, Inter8* z) TF_TARGET_AVX2 {
+      __m256i q[8][8], sc[8];
+      alignas(32) float d[8];
+      for (int r = 0; r < 8; ++r) {
+        Decoded256 u;
+        Decode(row0 + r * row_stride + b * kBytes, &u);
+        for (int j = 0; j < 8; ++j) q[r][j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * j));
+        sc[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
+        d[r] = u.d;
+      }
+      interleave8<true>(q, sc, nullptr, d, nullptr, *z);
+    };
+    const auto rest = [&](int64_t ra, int64_t rb) TF_TARGET_AVX2 {
+      matmul_prep256_avx2<two_row_mode, kBytes>(prepare, k, w, ws, ra, rb, xq, xs, ncols, y, ldy);
+    };
+    matmul_inter8_avx2<kSteps, TileMode::Signed>(prepare8, rest, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+  }
 }
 
 // ---- AVX2, fused narrow products (decode) ------------------------------------------------
@@ -240,7 +268,7 @@ TF_TARGET_AVX2 inline __m256i sign_of_mask(__m256i neg) { return _mm256_or_si256
 
 // ---- AVX2, 32-value blocks --------------------------------------------------------------
 
-template <Decode32Fn Decode, size_t kBytes, bool Offset = false>  // Offset: unused (32-value blocks)
+template <Decode32Fn Decode, size_t kBytes, int kMaxAbsQ = 127>  // kMaxAbsQ: unused (32-value blocks)
 TF_TARGET_AVX2 void matmul_d32_avx2(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1,
                                     const void* xv, size_t xs, int64_t ncols, float* y, int64_t ldy) {
   const uint8_t* w = static_cast<const uint8_t*>(wv);
@@ -381,7 +409,7 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
 
 // Defines a format's three CPU entry points (namespace tf::cpu::<ns>: scalar, avx2, avx512)
 // from its decoders; the traits table (quant/traits.cpp) points at them. max_abs_q: the
-// largest |q| its decoder produces (<= 63 enables the AVX2 driver's offset mode, D256Ymm).
+// largest |q| its decoder produces (it sets how the AVX2 prefill tiles sum: matmul_d256_avx2).
 #define TF_MATMUL_PARAMS \
   int64_t k, const void *w, size_t ws, int64_t r0, int64_t r1, const void *xq, size_t xs, int64_t ncols, float *y, int64_t ldy
 #define TF_MATMUL_ARGS k, w, ws, r0, r1, xq, xs, ncols, y, ldy
@@ -390,7 +418,7 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
   namespace tf::cpu::ns {                                                                                \
   void scalar(TF_MATMUL_PARAMS) { detail::matmul_d##width##_scalar<decode_scalar, bytes>(TF_MATMUL_ARGS); } \
   TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) {                                                           \
-    detail::matmul_d##width##_avx2<decode_fast, bytes, (max_abs_q) <= 63>(TF_MATMUL_ARGS);                         \
+    detail::matmul_d##width##_avx2<decode_fast, bytes, (max_abs_q)>(TF_MATMUL_ARGS);                         \
   }                                                                                                      \
   TF_TARGET_AVX512 void avx512(TF_MATMUL_PARAMS) {                                                       \
     detail::matmul_d##width##_avx512<decode_fast, bytes>(TF_MATMUL_ARGS);                                \
@@ -410,7 +438,7 @@ TF_TARGET_AVX512 void matmul_d32_avx512(int64_t k, const void* w, size_t ws, int
       case 2: return detail::fused_rows_avx2<Block, bytes, 2>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy, out_scale); \
       case 3: return detail::fused_rows_avx2<Block, bytes, 3>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy, out_scale); \
       case 4: return detail::fused_rows_avx2<Block, bytes, 4>(k / 256, wb, ws, r0, r1, xb, xs, y, ldy, out_scale); \
-      default: return detail::matmul_d256_avx2<decode_fast, bytes, (max_abs_q) <= 63>(TF_MATMUL_ARGS);            \
+      default: return detail::matmul_d256_avx2<decode_fast, bytes, (max_abs_q)>(TF_MATMUL_ARGS);            \
     }                                                                                                    \
   }                                                                                                      \
   /* AVX-512: the fused AVX2 loop for narrow products (512-bit registers do not shorten the */          \

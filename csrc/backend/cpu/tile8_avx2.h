@@ -21,12 +21,14 @@
 
 namespace tf::cpu::detail {
 
-// Eight rows of one 256-value block. v[s]: values 4s .. 4s+3 of row r in bytes 4r .. 4r+3.
+// Eight rows of one 256-value block. v[s]: values 4s .. 4s+3 of row r in bytes 4r .. 4r+3
+// (unsigned codes, or — TileMode::Signed — magnitudes whose signs q[s] puts on the activations).
 // sc[g]: row r's scale of 16-value group g in int16 lanes 2r and 2r+1. corr[h]: row r's
 // correction factors of groups 2h, 2h+1 in lanes 2r, 2r+1. d, dc: per row lane (TileMode as
 // in tile_avx2.h: MinInt takes the correction off in integers, MinFloat scales it by dc).
 struct alignas(32) Inter8 {
   __m256i v[64];
+  __m256i q[64];  // TileMode::Signed: the signed values (v holds their magnitudes)
   __m256i sc[16];
   __m256i corr[8];
   __m256 d, dc;
@@ -53,12 +55,18 @@ TF_TARGET_AVX2 inline void transpose8_words(const __m256i* in, __m256i* out) {
 
 // Builds an Inter8 from eight rows given as: q[r][0..7] (256 unsigned codes, 32 per vector
 // in value order), sc[r] / corr[r] (16 int16 per row), d[r], dc[r].
+// Signed: q holds signed values; v gets their magnitudes, z.q the values themselves.
+template <bool Signed = false>
 TF_TARGET_AVX2 inline void interleave8(const __m256i (*q)[8], const __m256i* sc, const __m256i* corr, const float* d,
                                        const float* dc, Inter8& z) {
   __m256i rows[8];
   for (int j = 0; j < 8; ++j) {
-    for (int r = 0; r < 8; ++r) rows[r] = q[r][j];
+    for (int r = 0; r < 8; ++r) rows[r] = Signed ? _mm256_sign_epi8(q[r][j], q[r][j]) : q[r][j];
     transpose8_words(rows, z.v + 8 * j);
+    if (Signed) {
+      for (int r = 0; r < 8; ++r) rows[r] = q[r][j];
+      transpose8_words(rows, z.q + 8 * j);
+    }
   }
   // Scales doubled into int16 pairs: word t of lo holds groups 0..3, 8..11; of hi 4..7, 12..15.
   __m256i lo[8], hi[8], tl[8], th[8];
@@ -74,19 +82,21 @@ TF_TARGET_AVX2 inline void interleave8(const __m256i (*q)[8], const __m256i* sc,
     z.sc[4 + t] = th[t];
     z.sc[12 + t] = th[4 + t];
   }
-  transpose8_words(corr, z.corr);
+  if (!Signed) transpose8_words(corr, z.corr);
   z.d = _mm256_loadu_ps(d);
-  z.dc = _mm256_loadu_ps(dc);
+  z.dc = Signed ? _mm256_setzero_ps() : _mm256_loadu_ps(dc);
 }
 
 // One 16-value group of the four-column tile in assembly (the compiler reassociated the int16
 // sums into a tree and spilled them): acc[c] += madd(sum over the group's four steps of
 // maddubs(w, broadcast x_c), scale). kSteps == 2 applies the scales after two steps.
-#define TF_I8_LOADW(OFF) "vmovdqa " #OFF "(%[w]), %[wv]\n\t"
+// Signed formats also load the step's signed values (2048 bytes after the magnitudes) and
+// put their signs on the broadcast activations.
+#define TF_I8_LOADW(OFF) "vmovdqa " #OFF "(%[w]), %[wv]\n\t" TF_I8_LOADQ(OFF)
 #define TF_I8_FIRST(X, A, OFF) \
-  "vpbroadcastd " #OFF "(%[" #X "]), %[xb]\n\tvpmaddubsw %[xb], %[wv], %[" #A "]\n\t"
+  "vpbroadcastd " #OFF "(%[" #X "]), %[xb]\n\t" TF_I8_SIGN "vpmaddubsw %[xb], %[wv], %[" #A "]\n\t"
 #define TF_I8_NEXT(X, A, OFF)                                   \
-  "vpbroadcastd " #OFF "(%[" #X "]), %[xb]\n\t"                 \
+  "vpbroadcastd " #OFF "(%[" #X "]), %[xb]\n\t" TF_I8_SIGN      \
   "vpmaddubsw %[xb], %[wv], %[t]\n\tvpaddw %[t], %[" #A "], %[" #A "]\n\t"
 #define TF_I8_FLUSH(A, ACC) "vpmaddwd (%[sc]), %[" #A "], %[" #A "]\n\tvpaddd %[" #A "], %[" #ACC "], %[" #ACC "]\n\t"
 #define TF_I8_STEP(KIND, WOFF, XOFF) \
@@ -94,21 +104,42 @@ TF_TARGET_AVX2 inline void interleave8(const __m256i (*q)[8], const __m256i* sc,
 #define TF_I8_FLUSH4 TF_I8_FLUSH(a0, acc0) TF_I8_FLUSH(a1, acc1) TF_I8_FLUSH(a2, acc2) TF_I8_FLUSH(a3, acc3)
 #define TF_I8_OPERANDS                                                                                    \
   : [acc0] "+x"(acc[0]), [acc1] "+x"(acc[1]), [acc2] "+x"(acc[2]), [acc3] "+x"(acc[3]), [a0] "=&x"(a0),    \
-    [a1] "=&x"(a1), [a2] "=&x"(a2), [a3] "=&x"(a3), [wv] "=&x"(wv), [xb] "=&x"(xb), [t] "=&x"(t)          \
+    [a1] "=&x"(a1), [a2] "=&x"(a2), [a3] "=&x"(a3), [wv] "=&x"(wv), [xb] "=&x"(xb), [t] "=&x"(t),         \
+    [qv] "=&x"(qv)                                                                                        \
   : [w] "r"(wp), [sc] "r"(scp), [x0] "r"(x[0]), [x1] "r"(x[1]), [x2] "r"(x[2]), [x3] "r"(x[3])           \
   : "memory"
 
-template <int kSteps>
+static_assert(offsetof(Inter8, q) == 2048, "inter8_group4's assembly reads the signs 2048 bytes on");
+
+template <int kSteps, bool Signed>
 TF_TARGET_AVX2 inline void inter8_group4(const __m256i* wp, const __m256i* scp, const int8_t* const* x, __m256i* acc) {
-  __m256i a0, a1, a2, a3, wv, xb, t;
-  if constexpr (kSteps == 4) {
-    asm(TF_I8_STEP(TF_I8_FIRST, 0, 0) TF_I8_STEP(TF_I8_NEXT, 32, 4) TF_I8_STEP(TF_I8_NEXT, 64, 8)
-            TF_I8_STEP(TF_I8_NEXT, 96, 12) TF_I8_FLUSH4 TF_I8_OPERANDS);
-  } else {
-    static_assert(kSteps == 2, "two or four steps per scale");
-    asm(TF_I8_STEP(TF_I8_FIRST, 0, 0) TF_I8_STEP(TF_I8_NEXT, 32, 4) TF_I8_FLUSH4 TF_I8_STEP(TF_I8_FIRST, 64, 8)
-            TF_I8_STEP(TF_I8_NEXT, 96, 12) TF_I8_FLUSH4 TF_I8_OPERANDS);
+  __m256i a0, a1, a2, a3, wv, xb, t, qv;
+#define TF_I8_GROUP                                                                                              \
+  if constexpr (kSteps == 4) {                                                                                   \
+    asm(TF_I8_STEP(TF_I8_FIRST, 0, 0) TF_I8_STEP(TF_I8_NEXT, 32, 4) TF_I8_STEP(TF_I8_NEXT, 64, 8)                \
+            TF_I8_STEP(TF_I8_NEXT, 96, 12) TF_I8_FLUSH4 TF_I8_OPERANDS);                                         \
+  } else if constexpr (kSteps == 2) {                                                                            \
+    asm(TF_I8_STEP(TF_I8_FIRST, 0, 0) TF_I8_STEP(TF_I8_NEXT, 32, 4) TF_I8_FLUSH4 TF_I8_STEP(TF_I8_FIRST, 64, 8) \
+            TF_I8_STEP(TF_I8_NEXT, 96, 12) TF_I8_FLUSH4 TF_I8_OPERANDS);                                         \
+  } else {                                                                                                       \
+    static_assert(kSteps == 1, "one, two or four steps per scale");                                              \
+    asm(TF_I8_STEP(TF_I8_FIRST, 0, 0) TF_I8_FLUSH4 TF_I8_STEP(TF_I8_FIRST, 32, 4) TF_I8_FLUSH4                  \
+            TF_I8_STEP(TF_I8_FIRST, 64, 8) TF_I8_FLUSH4 TF_I8_STEP(TF_I8_FIRST, 96, 12) TF_I8_FLUSH4 TF_I8_OPERANDS); \
   }
+  if constexpr (Signed) {
+#define TF_I8_LOADQ(OFF) "vmovdqa 2048+" #OFF "(%[w]), %[qv]\n\t"
+#define TF_I8_SIGN "vpsignb %[qv], %[xb], %[xb]\n\t"
+    TF_I8_GROUP
+#undef TF_I8_LOADQ
+#undef TF_I8_SIGN
+  } else {
+#define TF_I8_LOADQ(OFF) ""
+#define TF_I8_SIGN ""
+    TF_I8_GROUP
+#undef TF_I8_LOADQ
+#undef TF_I8_SIGN
+  }
+#undef TF_I8_GROUP
 }
 #undef TF_I8_LOADW
 #undef TF_I8_FIRST
@@ -124,7 +155,7 @@ TF_TARGET_AVX2 inline void inter8_group4(const __m256i* wp, const __m256i* scp, 
 template <int NC, int kSteps, TileMode M>
 TF_TARGET_AVX2 __attribute__((noinline)) void inter8_tile(const Inter8* z, int kcb, const uint8_t* xq, size_t xs,
                                                           int64_t b0, float* y, int64_t ldy, bool first) {
-  static_assert(M != TileMode::Signed, "inter8 tiles take unsigned codes");
+  constexpr bool Signed = M == TileMode::Signed;
   __m256 accf[NC];
   for (int c = 0; c < NC; ++c) accf[c] = _mm256_setzero_ps();
   for (int b = 0; b < kcb; ++b) {
@@ -137,7 +168,7 @@ TF_TARGET_AVX2 __attribute__((noinline)) void inter8_tile(const Inter8* z, int k
     for (int g = 0; g < 16; ++g) {
       if constexpr (NC == 4) {
         const int8_t* x[4] = {a[0]->qs + 16 * g, a[1]->qs + 16 * g, a[2]->qs + 16 * g, a[3]->qs + 16 * g};
-        inter8_group4<kSteps>(&w.v[4 * g], &w.sc[g], x, acc);
+        inter8_group4<kSteps, Signed>(&w.v[4 * g], &w.sc[g], x, acc);
         continue;
       }
       __m256i a16[NC];
@@ -149,9 +180,11 @@ TF_TARGET_AVX2 __attribute__((noinline)) void inter8_tile(const Inter8* z, int k
         for (int c = 0; c < NC; ++c) {
           int32_t word;
           std::memcpy(&word, a[c]->qs + 16 * g + 4 * s, 4);
-          a16[c] = _mm256_add_epi16(a16[c], _mm256_maddubs_epi16(wv, _mm256_set1_epi32(word)));
+          __m256i xb = _mm256_set1_epi32(word);
+          if (Signed) xb = _mm256_sign_epi8(xb, w.q[4 * g + s]);
+          a16[c] = _mm256_add_epi16(a16[c], _mm256_maddubs_epi16(wv, xb));
         }
-        if (kSteps == 2 && s == 1) {
+        if ((kSteps == 2 && s % 2 == 1) || kSteps == 1) {
           for (int c = 0; c < NC; ++c) {
             acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(a16[c], w.sc[g]));
             a16[c] = _mm256_setzero_si256();
@@ -161,6 +194,10 @@ TF_TARGET_AVX2 __attribute__((noinline)) void inter8_tile(const Inter8* z, int k
       for (int c = 0; c < NC; ++c) acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(a16[c], w.sc[g]));
     }
     for (int c = 0; c < NC; ++c) {
+      if constexpr (Signed) {
+        accf[c] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[c]), w.d), _mm256_set1_ps(a[c]->d), accf[c]);
+        continue;
+      }
       __m256i m = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int h = 0; h < 8; ++h) {

@@ -134,7 +134,7 @@ TF_TARGET_AVX2 void matmul_avx2(TF_MATMUL_PARAMS) {
   if (ncols == 1)
     gemv_avx2(k, static_cast<const uint8_t*>(w), ws, r0, r1, static_cast<const uint8_t*>(xq), y);
   else
-    detail::matmul_d256_avx2<decode_avx2, kBytes, true>(TF_MATMUL_ARGS);  // |q| <= 1: offset mode
+    detail::matmul_d256_avx2<decode_avx2, kBytes, 1>(TF_MATMUL_ARGS);  // |q| <= 1
 }
 #else
 constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
