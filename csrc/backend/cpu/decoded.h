@@ -154,8 +154,8 @@ TF_TARGET_AVX2 inline void d256_to_prep(const Decoded256& u, Prep256& z) {
 
 // kMaxAbsQ: the largest |q| the decoder produces. Eight rows at a time go through the
 // interleaved tile (tile8_avx2.h) in signed mode, summing as many steps in int16 as |q|
-// allows; the rows left over, and formats whose |q| allows no int16 sums, take the two-row
-// tile — in offset mode when |q| <= 63 (see d256_to_prep).
+// allows (one for the IQ4 values: no int16 sums, but no horizontal ones either); the rows
+// left over take the two-row tile — in offset mode when |q| <= 63 (see d256_to_prep).
 template <Decode256Fn Decode, size_t kBytes, int kMaxAbsQ = 127>
 TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1,
                                      const void* xq, size_t xs, int64_t ncols, float* y, int64_t ldy) {
@@ -169,26 +169,22 @@ TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* w, size_t ws, int64_
   // maddubs pairs reach 2 * |q| * 127; kSteps of them must fit in int16
   constexpr int kPair = 2 * kMaxAbsQ * 127;
   constexpr int kSteps = 4 * kPair <= 32767 ? 4 : 2 * kPair <= 32767 ? 2 : 1;
-  if constexpr (kSteps == 1) {
-    matmul_prep256_avx2<two_row_mode, kBytes>(prepare, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
-  } else {
-    const auto prepare8 = [](const uint8_t* row0, size_t row_stride, size_t b, Inter8* z) TF_TARGET_AVX2 {
-      __m256i q[8][8], sc[8];
-      alignas(32) float d[8];
-      for (int r = 0; r < 8; ++r) {
-        Decoded256 u;
-        Decode(row0 + r * row_stride + b * kBytes, &u);
-        for (int j = 0; j < 8; ++j) q[r][j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * j));
-        sc[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
-        d[r] = u.d;
-      }
-      interleave8<true>(q, sc, nullptr, d, nullptr, *z);
-    };
-    const auto rest = [&](int64_t ra, int64_t rb) TF_TARGET_AVX2 {
-      matmul_prep256_avx2<two_row_mode, kBytes>(prepare, k, w, ws, ra, rb, xq, xs, ncols, y, ldy);
-    };
-    matmul_inter8_avx2<kSteps, TileMode::Signed>(prepare8, rest, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
-  }
+  const auto prepare8 = [](const uint8_t* row0, size_t row_stride, size_t b, Inter8* z) TF_TARGET_AVX2 {
+    __m256i q[8][8], sc[8];
+    alignas(32) float d[8];
+    for (int r = 0; r < 8; ++r) {
+      Decoded256 u;
+      Decode(row0 + r * row_stride + b * kBytes, &u);
+      for (int j = 0; j < 8; ++j) q[r][j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.q + 32 * j));
+      sc[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u.sc));
+      d[r] = u.d;
+    }
+    interleave8<true>(q, sc, nullptr, d, nullptr, *z);
+  };
+  const auto rest = [&](int64_t ra, int64_t rb) TF_TARGET_AVX2 {
+    matmul_prep256_avx2<two_row_mode, kBytes>(prepare, k, w, ws, ra, rb, xq, xs, ncols, y, ldy);
+  };
+  matmul_inter8_avx2<kSteps, TileMode::Signed>(prepare8, rest, k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 // ---- AVX2, fused narrow products (decode) ------------------------------------------------
