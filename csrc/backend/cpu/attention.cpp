@@ -13,7 +13,32 @@ namespace tf::cpu {
 namespace {
 constexpr int kMaxHeadDim = 512;
 constexpr int kMaxGroup = 64;  // query heads per KV head
+
+// One query row's online-softmax step over n scores of a tile (already scaled): when the tile
+// raises the row's running maximum, the row's output and running sum are rescaled (not for
+// the first tile: nothing is accumulated yet); the scores become exp(s - max), rounded to half
+// with a half cache (llama.cpp's numerics), and join the running sum. Both kernels call this,
+// so they agree bit for bit.
+void softmax_tile_step(const VecOps& ops, float* sc, int64_t n, bool first_tile, bool half_probs, float& mx,
+                       double& sum, float* out_row, int D) {
+  float tile_max = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
+  if (tile_max > mx) {
+    if (!first_tile) {
+      const float r = std::exp(mx - tile_max);
+      ops.scale(D, out_row, r);
+      sum *= double(r);
+    }
+    mx = tile_max;
+  }
+  sum += double(ops.exp_sub_sum(n, sc, mx));
+  if (half_probs) {
+    uint16_t half[kAttentionTile];
+    ops.f32_to_f16(n, sc, half);
+    ops.f16_to_f32(n, half, sc);
+  }
 }
+}  // namespace
 
 void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n, float scale, float* out) {
   TF_CHECK(G > 0 && G <= kMaxGroup && D > 0 && D <= kMaxHeadDim && n > 0, "paged_attention: bad sizes");
@@ -59,26 +84,9 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
       ops.dot_rows_f32(D, qr, D, G, row_ptr[j], dots);
       for (int h = 0; h < G; ++h) scores[size_t(h) * kAttentionTile + size_t(j)] = dots[h] * scale;
     }
-    for (int h = 0; h < G; ++h) {
-      float* sc = scores + size_t(h) * kAttentionTile;
-      float tile_max = -INFINITY;
-      for (int64_t j = 0; j < m; ++j) tile_max = std::max(tile_max, sc[j]);
-      if (tile_max > mx[h]) {
-        if (j0 > 0) {
-          const float r = std::exp(mx[h] - tile_max);
-          ops.scale(D, out + size_t(h) * D, r);
-          sum[h] *= double(r);
-        }
-        mx[h] = tile_max;
-      }
-      sum[h] += double(ops.exp_sub_sum(m, sc, mx[h]));
-      // With a half cache the probabilities are rounded to half (llama.cpp's numerics).
-      if (!kv.f32) {
-        uint16_t half[kAttentionTile];
-        ops.f32_to_f16(m, sc, half);
-        ops.f16_to_f32(m, half, sc);
-      }
-    }
+    for (int h = 0; h < G; ++h)
+      softmax_tile_step(ops, scores + size_t(h) * kAttentionTile, m, j0 == 0, !kv.f32, mx[h], sum[h],
+                        out + size_t(h) * D, D);
     gather(kv.v_base, j0, m);
     float p[kMaxGroup];
     for (int64_t j = 0; j < m; ++j) {
@@ -140,25 +148,8 @@ void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, 
         std::fill(sc, sc + m, 0.f);
         continue;
       }
-      float tile_max = -INFINITY;
-      for (int j = 0; j < seen; ++j) {
-        sc[j] *= scale;
-        tile_max = std::max(tile_max, sc[j]);
-      }
-      if (tile_max > mx[r]) {
-        if (j0 > 0) {
-          const float f = std::exp(mx[r] - tile_max);
-          ops.scale(D, acc + size_t(r) * D, f);
-          sum[r] *= double(f);
-        }
-        mx[r] = tile_max;
-      }
-      sum[r] += double(ops.exp_sub_sum(seen, sc, mx[r]));
-      if (!kv.f32) {  // probabilities rounded to half, as in paged_attention
-        uint16_t half[T];
-        ops.f32_to_f16(seen, sc, half);
-        ops.f16_to_f32(seen, half, sc);
-      }
+      for (int j = 0; j < seen; ++j) sc[j] *= scale;
+      softmax_tile_step(ops, sc, seen, j0 == 0, !kv.f32, mx[r], sum[r], acc + size_t(r) * D, D);
       std::fill(sc + seen, sc + m, 0.f);
     }
     gather(kv.v_base, j0, m);
