@@ -300,6 +300,19 @@ def test_block_count_above_layers_present_is_missing_tensor(tmp_path, spec):
 # --------------------------------------------------------------------------------------------
 
 
+def test_architecture_errors_come_from_the_table(tmp_path, spec):
+    # An unknown architecture lists what is supported; a recognised but unsupported one says why.
+    md, tensors = spec
+    path = write_gguf(tmp_path / "gpt2.gguf", md, tensors, arch=b"gpt2")
+    with pytest.raises(_core.UnsupportedError) as ei:
+        engine(path)
+    msg = str(ei.value)
+    assert "'gpt2'" in msg and "supported: llama (incl. mixtral), qwen2, qwen2moe, qwen3, qwen3moe)" in msg
+    path = write_gguf(tmp_path / "ds.gguf", md, tensors, arch=b"deepseek2")
+    with pytest.raises(_core.UnsupportedError, match="'deepseek2' needs multi-head latent attention"):
+        engine(path)
+
+
 def test_non_utf8_architecture(tmp_path, spec):
     md, tensors = spec
     path = write_gguf(tmp_path / "arch.gguf", md, tensors, arch=b"\xffl\xfema")

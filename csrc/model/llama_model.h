@@ -2,6 +2,12 @@
 // of tokens from any number of sequences, reading and writing K/V through the paged cache.
 // Weights are views into the mmapped GGUF; all scratch is allocated once by reserve().
 //
+// One class, one file per concern: weight_loading.cpp (the tensors of each layer),
+// tp_shard.cpp (the TP plan and this rank's slices), linear.cpp (grouped products through the
+// CPU backend), attention_gqa.cpp (the attention block), moe/moe_ffn.cpp (the MoE block),
+// llama_model.cpp (scratch, the layer loop, the dense FFN and the LM head). The architecture's
+// switches come from its row in model_config.cpp's table.
+//
 // Tensor parallel (TP=2): each rank holds a contiguous range of KV heads (and their query
 // heads), half of every FFN's intermediate dimension (dense, each expert, shared expert) and
 // half of the vocabulary rows of the LM head. Its slices are read with pread into private
@@ -100,7 +106,7 @@ class LlamaModel {
   explicit LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp = TpShard{});
   ~LlamaModel();
   const TpShard& tp() const { return tp_; }
-  int local_kv_heads() const { return int(hkl_); }
+  int local_kv_heads() const { return int(local_kv_heads_); }
 
   const ModelConfig& config() const { return cfg_; }
   const GgufFile& file() const { return *file_; }
@@ -174,6 +180,8 @@ class LlamaModel {
   void run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool);
   void moe_ffn(int layer, int64_t T, ThreadPool& pool);  // xn_ -> adds into x_
   void rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const;
+  // q_/k_/v_ of a layer's batch: biases, q/k norms and RoPE applied, K/V rows into the cache.
+  void store_qkv(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv, ThreadPool& pool);
   void attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv,
                  ThreadPool& pool);
 
@@ -188,7 +196,7 @@ class LlamaModel {
   TpShard tp_;
   std::vector<uint8_t> emb_row_;  // TP: one embedding row, read with pread
   // Local (this rank's) extents: query/KV heads, FFN widths, vocabulary rows.
-  int64_t hl_ = 0, hkl_ = 0, fl_ = 0, fel_ = 0, v0_ = 0, v1_ = 0;
+  int64_t local_heads_ = 0, local_kv_heads_ = 0, local_ff_ = 0, local_ff_exp_ = 0, vocab_begin_ = 0, vocab_end_ = 0;
   // Split points of the reductions (see plan_splits); -1 = not split on this rank.
   int64_t kv_split_ = -1, f_split_ = -1, fe_split_ = -1;
   bool expert_parallel_ = false;  // experts split by index instead of by width

@@ -89,7 +89,38 @@ std::string utf8_or_replace(const std::string& s) {
   return out;
 }
 
+// One row per architecture (general.architecture): what the forward pass does differently.
+// A new architecture is a row here (plus its blocks, if it needs a kind the forward lacks).
+const ArchTraits kArchitectures[] = {
+    // name       covers             rope_neox qkv_bias qk_norm norm_topk  unsupported_reason
+    {"llama",     "incl. mixtral",   false,    false,   false,  true,      ""},
+    {"qwen2",     "",                true,     true,    false,  false,     ""},
+    {"qwen2moe",  "",                true,     true,    false,  false,     ""},
+    {"qwen3",     "",                true,     false,   true,   false,     ""},
+    {"qwen3moe",  "",                true,     false,   true,   true,      ""},
+    {"deepseek2", "",                true,     false,   false,  false,
+     "needs multi-head latent attention (MLA), which TensorFold does not implement yet (its expert routing "
+     "is supported)"},
+};
+
 }  // namespace
+
+const ArchTraits* find_arch(const std::string& name) {
+  for (const ArchTraits& a : kArchitectures)
+    if (name == a.name) return &a;
+  return nullptr;
+}
+
+std::string supported_arch_names() {
+  std::string out;
+  for (const ArchTraits& a : kArchitectures) {
+    if (!a.unsupported_reason.empty()) continue;
+    if (!out.empty()) out += ", ";
+    out += a.name;
+    if (*a.covers) out += std::string(" (") + a.covers + ")";
+  }
+  return out;
+}
 
 ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   ModelConfig c;
@@ -97,24 +128,16 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   c.arch = f.get_string("general.architecture");
   c.name = utf8_or_replace(f.get_string("general.name", ""));  // display only
   const std::string& a = c.arch;
-  bool default_norm_topk = false;
-  if (a == "llama") {  // also Mixtral-style llama with experts
-    c.rope_neox = false;
-    default_norm_topk = true;
-  } else if (a == "qwen2" || a == "qwen2moe") {
-    c.rope_neox = true;
-    c.qkv_bias = true;
-  } else if (a == "qwen3" || a == "qwen3moe") {
-    c.rope_neox = true;
-    c.qk_norm = true;
-    default_norm_topk = a == "qwen3moe";
-  } else if (a == "deepseek2") {
-    fail(ErrorKind::Unsupported, path, ": architecture 'deepseek2' needs multi-head latent attention (MLA), ",
-         "which TensorFold does not implement yet (its expert routing is supported)");
-  } else {
+  const ArchTraits* traits = find_arch(a);
+  if (!traits)
     fail(ErrorKind::Unsupported, path, ": architecture '", printable(a),
-         "' (general.architecture) is not supported (supported: llama (incl. mixtral), qwen2, qwen3, qwen2moe, qwen3moe)");
-  }
+         "' (general.architecture) is not supported (supported: ", supported_arch_names(), ")");
+  if (!traits->unsupported_reason.empty())
+    fail(ErrorKind::Unsupported, path, ": architecture '", a, "' ", traits->unsupported_reason);
+  c.rope_neox = traits->rope_neox;
+  c.qkv_bias = traits->qkv_bias;
+  c.qk_norm = traits->qk_norm;
+  const bool default_norm_topk = traits->norm_topk;
   auto key = [&](const char* k) { return a + "." + k; };
   c.n_embd = int_key(f, key("embedding_length"), 1, 1 << 24);
   c.n_layer = int_key(f, key("block_count"), 1, 4096);

@@ -1,6 +1,5 @@
-// A decoder architecture described as data, read from GGUF metadata. Every supported
-// family (llama/mixtral, qwen2, qwen3, qwen2moe, qwen3moe) is one forward pass with these
-// switches.
+// A decoder architecture described as data, read from GGUF metadata: the architecture's row
+// of kArchitectures (model_config.cpp) and the file's hyperparameters.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -9,6 +8,19 @@
 #include "moe/router.h"
 
 namespace tf {
+
+// What distinguishes an architecture in the forward pass (one row per general.architecture).
+struct ArchTraits {
+  const char* name;
+  const char* covers;              // for error messages: what else the name covers
+  bool rope_neox;                  // rotate halves (NeoX) instead of adjacent pairs
+  bool qkv_bias;                   // q/k/v projections have biases
+  bool qk_norm;                    // RMSNorm over each q/k head
+  bool norm_topk;                  // default of expert_weights_norm
+  std::string unsupported_reason;  // non-empty: recognised but refused, with this reason
+};
+const ArchTraits* find_arch(const std::string& name);  // nullptr: unknown
+std::string supported_arch_names();
 
 struct ModelConfig {
   std::string arch;          // general.architecture

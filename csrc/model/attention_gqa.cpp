@@ -1,0 +1,120 @@
+// The GQA attention block of LlamaModel: q/k/v biases, per-head q/k RMSNorm, RoPE, K/V rows
+// into the paged cache (store_qkv), and attention over the pages (single-query or prefill-block
+// kernels, backend/cpu/attention).
+#include "model/llama_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "backend/cpu/attention.h"
+#include "backend/cpu/vec_ops.h"
+#include "core/error.h"
+#include "quant/traits.h"
+
+namespace tf {
+
+namespace {
+// Rotate one head in place. cs holds (cos, sin) pairs for each rotated dimension pair.
+inline void rope_head(float* v, const float* cs, int rope_dim, bool neox) {
+  const int half = rope_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const float c = cs[2 * i], s = cs[2 * i + 1];
+    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+    const float x0 = v[a], x1 = v[b];
+    v[a] = x0 * c - x1 * s;
+    v[b] = x0 * s + x1 * c;
+  }
+}
+
+inline void head_rmsnorm(float* v, const float* w, int n, float eps) {
+  double sum = 0.0;
+  for (int i = 0; i < n; ++i) sum += double(v[i] * v[i]);
+  const float scale = 1.0f / std::sqrt(float(sum / double(n)) + eps);
+  for (int i = 0; i < n; ++i) v[i] = (v[i] * scale) * w[i];
+}
+}  // namespace
+
+void LlamaModel::store_qkv(const std::vector<BatchToken>& batch, int il, PagedKvCache& kv, ThreadPool& pool) {
+  const LayerWeights& L = layers_[size_t(il)];
+  const int64_t T = int64_t(batch.size());
+  const int64_t H = local_heads_, HK = local_kv_heads_, D = cfg_.head_dim, QD = H * D, KD = HK * D;
+  const int rd = cfg_.rope_dim;
+  const cpu::VecOps& ops = cpu::vec_ops();
+  // Per-token: bias, q/k norm, rope, then store K/V into the sequence's pages.
+  pool.parallel_for(T, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      float* q = q_.data() + t * QD;
+      float* k = k_.data() + t * KD;
+      float* v = v_.data() + t * KD;
+      if (L.bq) {
+        for (int64_t i = 0; i < QD; ++i) q[i] += L.bq[i];
+        for (int64_t i = 0; i < KD; ++i) k[i] += L.bk[i];
+        for (int64_t i = 0; i < KD; ++i) v[i] += L.bv[i];
+      }
+      const float* cs = rope_cs_.data() + t * rd;
+      for (int64_t h = 0; h < H; ++h) {
+        if (L.q_norm) head_rmsnorm(q + h * D, L.q_norm, int(D), cfg_.rms_eps);
+        rope_head(q + h * D, cs, rd, cfg_.rope_neox);
+      }
+      const BatchToken& bt = batch[size_t(t)];
+      for (int64_t h = 0; h < HK; ++h) {
+        if (L.k_norm) head_rmsnorm(k + h * D, L.k_norm, int(D), cfg_.rms_eps);
+        rope_head(k + h * D, cs, rd, cfg_.rope_neox);
+        if (kv.type() == KvType::F32) {
+          std::memcpy(kv.k_row(il, bt.seq, bt.pos, int(h)), k + h * D, size_t(D) * sizeof(float));
+          std::memcpy(kv.v_row(il, bt.seq, bt.pos, int(h)), v + h * D, size_t(D) * sizeof(float));
+        } else {
+          ops.f32_to_f16(D, k + h * D, static_cast<uint16_t*>(kv.k_row(il, bt.seq, bt.pos, int(h))));
+          ops.f32_to_f16(D, v + h * D, static_cast<uint16_t*>(kv.v_row(il, bt.seq, bt.pos, int(h))));
+        }
+      }
+    }
+  });
+}
+
+void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv,
+                           ThreadPool& pool) {
+  const int H = int(local_heads_), D = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv, HK = H / group;
+  const int64_t T = int64_t(batch.size());
+  const float scale = 1.0f / std::sqrt(float(D));
+  // Tokens go in blocks: a run of consecutive positions of one sequence (a prefill chunk),
+  // up to kAttentionBlockRows query rows, is attended at once (its K/V tiles converted once);
+  // a lone token (decode) takes the single-query kernel. One item per (block, KV head): the
+  // `group` query heads that share the KV head read its pages together. Items go in
+  // contiguous runs, many more runs than threads: causal prefill's triangular cost evens out
+  // because threads claim runs as they come free.
+  const int max_block = std::max(1, cpu::kAttentionBlockRows / group);
+  std::vector<std::pair<int64_t, int>> blocks;  // (first token, tokens)
+  for (int64_t t = 0; t < T; ++t) {
+    if (!blocks.empty()) {
+      auto& [t0, nt] = blocks.back();
+      const BatchToken& first = batch[size_t(t0)];
+      if (nt < max_block && batch[size_t(t)].seq == first.seq && batch[size_t(t)].pos == first.pos + nt) {
+        ++nt;
+        continue;
+      }
+    }
+    blocks.emplace_back(t, 1);
+  }
+  const int64_t items = int64_t(blocks.size()) * HK;
+  const int64_t runs = std::min<int64_t>(items, int64_t(pool.size()) * 16);
+  pool.run_chunks(runs, [&](int64_t r, int) {
+    for (int64_t it = r * items / runs; it < (r + 1) * items / runs; ++it) {
+      const auto [t, nt] = blocks[size_t(it / HK)];
+      const int g = int(it % HK);
+      const BatchToken& bt = batch[size_t(t)];
+      const cpu::PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
+                               kv.block_table(bt.seq).data(), kv.block_size(), kv.type() == KvType::F32};
+      const int64_t at = (t * H + int64_t(g) * group) * D;
+      if (nt == 1)
+        cpu::paged_attention(q_.data() + at, group, D, pages, int64_t(bt.pos) + 1, scale, attn_.data() + at);
+      else
+        cpu::paged_attention_causal(q_.data() + at, int64_t(H) * D, nt, group, D, pages, bt.pos, scale,
+                                    attn_.data() + at);
+    }
+  });
+}
+
+}  // namespace tf
