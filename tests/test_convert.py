@@ -429,7 +429,9 @@ def test_missing_tokenizer(tmp_path, good_dir):
 
 
 @pytest.mark.parametrize("update,match", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope scaling type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "needs original_max_position"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "truncate": False,
+                          "original_max_position_embeddings": 64}}, "truncate=false"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "rope_parameters": None}, "rope scaling type 'llama3'"),
     ({"use_sliding_window": True, "sliding_window": 64}, "sliding"),
     ({"hidden_act": "gelu"}, "hidden_act"),

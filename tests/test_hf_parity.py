@@ -38,6 +38,17 @@ ARCHS = {
                       mlp_only_layers=[], tie_word_embeddings=False)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=36, num_local_experts=5, num_experts_per_tok=2, tie_word_embeddings=False)),
+    # YaRN beyond a 16-token trained context (the 23-token prompt crosses it): transformers'
+    # defaults (beta 32/1, attention factor 0.1 ln 4 + 1), and explicit betas and attention factor
+    "llama-yarn": ("LlamaConfig", "LlamaForCausalLM",
+                   dict(intermediate_size=100, tie_word_embeddings=False, max_position_embeddings=64,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                             original_max_position_embeddings=16))),
+    "qwen3-yarn": ("Qwen3Config", "Qwen3ForCausalLM",
+                   dict(intermediate_size=100, head_dim=16, tie_word_embeddings=False, max_position_embeddings=128,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=8.0,
+                                             original_max_position_embeddings=16, beta_fast=16.0, beta_slow=2.0,
+                                             attention_factor=1.3))),
 }
 MOE = {"qwen3moe", "qwen2moe", "mixtral"}
 PROMPTS = [[5], [17, 3, 250, 9, 33, 101, 7], list(range(40, 63))]
@@ -65,7 +76,7 @@ def hf_model(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(arch)
     vocab = _tokenizer(d)
     torch.manual_seed(1234)
-    cfg = getattr(transformers, cfg_name)(vocab_size=vocab, **COMMON, **extra)
+    cfg = getattr(transformers, cfg_name)(vocab_size=vocab, **{**COMMON, **extra})
     model = getattr(transformers, cls_name)(cfg).eval()
     model.config.eos_token_id = vocab - 1
     model.save_pretrained(d, safe_serialization=True)

@@ -263,6 +263,22 @@ def test_rope_scaling_factor_refused(tmp_path, spec, value):
     expect_value_error(lambda: engine(path), "llama.rope.scaling.factor", "out of range")
 
 
+def test_yarn_needs_its_keys(tmp_path, spec):
+    # YaRN without the trained context length cannot place its ramp: refused by name; a bad
+    # beta is refused as out of range; with them the model loads and computes.
+    md, tensors = spec
+    md = set_key(md, "llama.rope.scaling.type", "yarn", VT.STRING)
+    md = set_key(md, "llama.rope.scaling.factor", 4.0, VT.FLOAT32)
+    expect_value_error(lambda: engine(write_gguf(tmp_path / "a.gguf", md, tensors)),
+                       "llama.rope.scaling.original_context_length")
+    md = set_key(md, "llama.rope.scaling.original_context_length", 32, VT.UINT32)
+    bad = set_key(md, "llama.rope.scaling.yarn_beta_fast", -1.0, VT.FLOAT32)
+    expect_value_error(lambda: engine(write_gguf(tmp_path / "b.gguf", bad, tensors)),
+                       "llama.rope.scaling.yarn_beta_fast", "out of range")
+    e = engine(write_gguf(tmp_path / "ok.gguf", md, tensors))
+    assert np.isfinite(e.logits(list(range(1, 40)))).all()
+
+
 def test_valid_float_edges_load(tmp_path, spec):
     md, tensors = spec
     md = set_key(md, "llama.rope.freq_base", 1e6, VT.FLOAT64)

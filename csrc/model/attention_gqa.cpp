@@ -11,23 +11,12 @@
 #include "backend/cpu/attention.h"
 #include "backend/cpu/vec_ops.h"
 #include "core/error.h"
+#include "model/rope.h"
 #include "quant/traits.h"
 
 namespace tf {
 
 namespace {
-// Rotate one head in place. cs holds (cos, sin) pairs for each rotated dimension pair.
-inline void rope_head(float* v, const float* cs, int rope_dim, bool neox) {
-  const int half = rope_dim / 2;
-  for (int i = 0; i < half; ++i) {
-    const float c = cs[2 * i], s = cs[2 * i + 1];
-    const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-    const float x0 = v[a], x1 = v[b];
-    v[a] = x0 * c - x1 * s;
-    v[b] = x0 * s + x1 * c;
-  }
-}
-
 inline void head_rmsnorm(float* v, const float* w, int n, float eps) {
   double sum = 0.0;
   for (int i = 0; i < n; ++i) sum += double(v[i] * v[i]);
@@ -56,12 +45,12 @@ void LlamaModel::store_qkv(const std::vector<BatchToken>& batch, int il, PagedKv
       const float* cs = rope_cs_.data() + t * rd;
       for (int64_t h = 0; h < H; ++h) {
         if (L.q_norm) head_rmsnorm(q + h * D, L.q_norm, int(D), cfg_.rms_eps);
-        rope_head(q + h * D, cs, rd, cfg_.rope_neox);
+        rope_rotate(q + h * D, cs, rd, cfg_.rope_neox);
       }
       const BatchToken& bt = batch[size_t(t)];
       for (int64_t h = 0; h < HK; ++h) {
         if (L.k_norm) head_rmsnorm(k + h * D, L.k_norm, int(D), cfg_.rms_eps);
-        rope_head(k + h * D, cs, rd, cfg_.rope_neox);
+        rope_rotate(k + h * D, cs, rd, cfg_.rope_neox);
         if (kv.type() == KvType::F32) {
           std::memcpy(kv.k_row(il, bt.seq, bt.pos, int(h)), k + h * D, size_t(D) * sizeof(float));
           std::memcpy(kv.v_row(il, bt.seq, bt.pos, int(h)), v + h * D, size_t(D) * sizeof(float));

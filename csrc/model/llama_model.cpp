@@ -10,6 +10,7 @@
 
 #include "backend/cpu/vec_ops.h"
 #include "core/error.h"
+#include "model/rope.h"
 #include "quant/traits.h"
 
 namespace tf {
@@ -147,8 +148,7 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
   const int rd = cfg_.rope_dim;
   const cpu::VecOps& ops = cpu::vec_ops();
 
-  // Embedding rows and the rotary table for each token (shared by all layers).
-  const float theta_scale = std::pow(cfg_.rope_base, -2.0f / float(rd));
+  // Embedding rows and the rotary angles of each token (shared by all layers).
   for (int64_t t = 0; t < T; ++t) {
     const BatchToken& bt = batch[size_t(t)];
     TF_CHECK(bt.token >= 0 && bt.token < cfg_.n_vocab, "token id ", bt.token, " out of range");
@@ -160,14 +160,7 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
       row = emb_row_.data();
     }
     emb_dequant_(row, x_.data() + t * E, E);
-    float theta = float(bt.pos);
-    float* cs = rope_cs_.data() + t * rd;
-    for (int i = 0; i < rd / 2; ++i) {
-      const float th = theta * cfg_.rope_freq_scale;
-      cs[2 * i] = std::cos(th);
-      cs[2 * i + 1] = std::sin(th);
-      theta *= theta_scale;
-    }
+    rope_angles(cfg_, bt.pos, rope_cs_.data() + t * rd);
   }
 
   for (int il = 0; il < cfg_.n_layer; ++il) {

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "model/rope.h"
 
 namespace tf {
 
@@ -185,11 +186,26 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   if (c.rope_dim > c.head_dim || c.rope_dim % 2)
     fail(ErrorKind::InvalidInput, path, ": rope.dimension_count ", c.rope_dim, " is invalid for head_dim ", c.head_dim);
   const std::string scaling = f.get_string(key("rope.scaling.type"), "none");
-  if (scaling == "linear") {
+  if (scaling == "linear" || scaling == "yarn") {
     const float factor = float_key(f, key("rope.scaling.factor"), 1.0, 1e-6, 1e6);
     c.rope_freq_scale = float(1.0 / double(factor));
   } else if (scaling != "none" && scaling != "") {
-    fail(ErrorKind::Unsupported, path, ": rope scaling '", printable(scaling), "' is not supported yet");
+    fail(ErrorKind::Unsupported, path, ": rope scaling '", printable(scaling),
+         "' is not supported (supported: none, linear, yarn)");
+  }
+  if (scaling == "yarn") {
+    // llama.cpp's keys and defaults: the trained context, the ramp's rotation counts
+    // (beta_fast 32, beta_slow 1), ext_factor 1 and attention factors 1.
+    const int64_t orig = f.get_int(key("rope.scaling.original_context_length"), -1);
+    if (orig == -1)
+      fail(ErrorKind::InvalidInput, path, ": yarn rope scaling needs ", key("rope.scaling.original_context_length"));
+    const int orig_ctx = int(int_in(f, key("rope.scaling.original_context_length"), orig, 1, 1 << 30));
+    const float beta_fast = float_key(f, key("rope.scaling.yarn_beta_fast"), 32.0, 1e-6, 1e6);
+    const float beta_slow = float_key(f, key("rope.scaling.yarn_beta_slow"), 1.0, 1e-6, 1e6);
+    const float ext = float_key(f, key("rope.scaling.yarn_ext_factor"), 1.0, 0.0, 1.0);
+    const float attn = float_key(f, key("rope.scaling.attn_factor"), 1.0, 1e-6, 1e6) *
+                       float_key(f, key("rope.scaling.yarn_attn_factor"), 1.0, 1e-6, 1e6);
+    set_yarn(c, orig_ctx, beta_fast, beta_slow, ext, attn);
   }
   if (f.find_tensor("rope_freqs.weight"))
     fail(ErrorKind::Unsupported, path, ": per-dimension rope frequency factors (rope_freqs) are not supported yet");
@@ -220,6 +236,9 @@ std::string ModelConfig::summary() const {
   os << arch << " '" << name << "': " << n_layer << " layers, n_embd " << n_embd << ", heads "
      << n_head << "/" << n_head_kv << " x " << head_dim << ", ffn " << n_ff << ", vocab " << n_vocab
      << ", rope " << (rope_neox ? "neox" : "norm") << " base " << rope_base
+     << (rope_yarn ? " yarn x" : rope_freq_scale != 1.f ? " linear x" : "");
+  if (rope_yarn || rope_freq_scale != 1.f) os << 1.0f / rope_freq_scale;
+  os
      << (tied_output ? ", tied output" : "");
   if (is_moe())
     os << ", " << n_expert << " experts (top-" << n_expert_used << ", width " << n_ff_exp << ")"

@@ -35,7 +35,13 @@ struct ModelConfig {
   int64_t n_ctx_train = 0;
   float rms_eps = 1e-6f;
   float rope_base = 10000.f;
-  float rope_freq_scale = 1.f;  // 1 / linear scaling factor
+  float rope_freq_scale = 1.f;  // 1 / scaling factor (linear and YaRN)
+  // YaRN (rope.scaling.type "yarn"): dimensions below yarn_low rotate as trained
+  // (extrapolated), above yarn_high interpolated by rope_freq_scale, a linear ramp between;
+  // cos/sin scaled by rope_mscale. Both set from the file's keys at load (see rope.cpp).
+  bool rope_yarn = false;
+  float yarn_low = 0.f, yarn_high = 0.f, yarn_ext_factor = 0.f;
+  float rope_mscale = 1.f;
   int rope_dim = 0;
   bool rope_neox = false;    // rotate halves (NeoX) instead of adjacent pairs
   bool qkv_bias = false;     // qwen2

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -207,7 +208,7 @@ class _Params:
     n_ctx: int
     rms_eps: float
     rope_base: float
-    rope_scaling: tuple[str, float] | None  # ("linear", factor)
+    rope_scaling: list | None  # GGUF (key suffix, type, value) rows after "rope.scaling."
     tied: bool | None  # None: decide from the weights
     n_expert: int = 0
     n_expert_used: int = 0
@@ -233,9 +234,9 @@ def _int(cfg: dict, key: str, *alts: str, default: int | None = None) -> int:
     return default
 
 
-def _rope(cfg: dict) -> tuple[float, tuple[str, float] | None]:
+def _rope(cfg: dict) -> tuple[float, list | None]:
     """rope base and scaling from either the transformers-4 keys (rope_theta, rope_scaling)
-    or the transformers-5 rope_parameters dict."""
+    or the transformers-5 rope_parameters dict; the scaling as llama.cpp's rope.scaling.* keys."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and ("rope_theta" in params or "rope_type" in params):
         base = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -252,16 +253,41 @@ def _rope(cfg: dict) -> tuple[float, tuple[str, float] | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default", "none"):
         return float(base), None
+    factor = scaling.get("factor")
+    if kind in ("linear", "yarn"):
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ConvertError(f"config.json: {kind} rope scaling needs a positive factor, got {factor!r}")
     if kind == "linear":
-        factor = scaling.get("factor")
-        if not isinstance(factor, (int, float)) or factor <= 0:
-            raise ConvertError(f"config.json: linear rope scaling needs a positive factor, got {factor!r}")
         if factor == 1:
             return float(base), None
-        return float(base), ("linear", float(factor))
+        return float(base), [("type", "str", "linear"), ("factor", "f32", float(factor))]
+    if kind == "yarn":
+        orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+            raise ConvertError("config.json: yarn rope scaling needs original_max_position_embeddings "
+                               f"(a positive integer), got {orig!r}")
+        if scaling.get("truncate", True) is False:
+            raise ConvertError("config.json: yarn rope scaling with truncate=false cannot be represented by "
+                               "TensorFold yet (llama.cpp's ramp rounds the correction range)")
+        rows = [("type", "str", "yarn"), ("factor", "f32", float(factor)),
+                ("original_context_length", "u32", orig)]
+        for hf_key, gguf_key, default in (("beta_fast", "yarn_beta_fast", 32.0), ("beta_slow", "yarn_beta_slow", 1.0)):
+            v = scaling.get(hf_key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ConvertError(f"config.json: yarn {hf_key} = {v!r} is invalid")
+            rows.append((gguf_key, "f32", float(v)))
+        attn = scaling.get("attention_factor")
+        if attn is not None:
+            # transformers uses an explicit attention_factor instead of 0.1 ln(factor) + 1;
+            # llama.cpp multiplies that default by yarn_attn_factor.
+            if isinstance(attn, bool) or not isinstance(attn, (int, float)) or attn <= 0:
+                raise ConvertError(f"config.json: yarn attention_factor = {attn!r} is invalid")
+            default = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+            rows.append(("yarn_attn_factor", "f32", float(attn) / default))
+        return float(base), rows
     raise ConvertError(
         f"config.json: rope scaling type '{kind}' cannot be represented by TensorFold yet "
-        "(supported: none, linear)")
+        "(supported: none, linear, yarn)")
 
 
 def _params(cfg: dict) -> _Params:
@@ -787,8 +813,7 @@ def _model_kv(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]
         kv += [(f"{a}.attention.key_length", "u32", p.head_dim),
                (f"{a}.attention.value_length", "u32", p.head_dim)]
     if p.rope_scaling:
-        kv += [(f"{a}.rope.scaling.type", "str", p.rope_scaling[0]),
-               (f"{a}.rope.scaling.factor", "f32", p.rope_scaling[1])]
+        kv += [(f"{a}.rope.scaling.{k}", t, v) for k, t, v in p.rope_scaling]
     if p.is_moe:
         kv += [(f"{a}.expert_count", "u32", p.n_expert),
                (f"{a}.expert_used_count", "u32", p.n_expert_used),

@@ -164,7 +164,7 @@ class Engine:
         if 0 < n_train < self._context:
             warnings.warn(
                 f"context {self._context} is longer than the {n_train} tokens {os.path.basename(self.path)} "
-                f"was trained on; TensorFold has no RoPE scaling for it yet, so output degrades past "
+                f"is made for (its context_length, RoPE scaling included); output degrades past "
                 f"{n_train} tokens", RuntimeWarning, stacklevel=2)
         usable = _core.usable_cpus()
         if self._threads > usable:
