@@ -129,8 +129,63 @@ def test_paged_attention_causal_rejects_bad_shapes():
         ops.paged_attention_causal(np.zeros((2, 1, 9), np.float32), k, k, table, 0, 1.0)
 
 
+@pytest.mark.parametrize("H,kvl,rope,nope,vdim", [(16, 64, 16, 24, 20), (128, 96, 32, 16, 16), (3, 33, 8, 5, 7)])
+@pytest.mark.parametrize("n", [1, 40, 300])
+def test_latent_attention_absorbed_matches_expanded(H, kvl, rope, nope, vdim, n):
+    # Multi-head latent attention (DeepSeek-V2/V3) over a cache of one row per token: the
+    # latent c (kvl values) and the rope key (rope values). Absorbed form on the kernel side:
+    # q_lat[h] = W_kb[h]^T q_nope[h], scores q_lat . c + q_pe . k_pe, V = the rows' latent
+    # prefix, out[h] = W_vb[h] (softmax . c). Reference: the expanded form in float64 — per-head
+    # keys [W_kb[h] c, k_pe] and values W_vb[h] c, as the model defines them.
+    bs = 16
+    rng = np.random.default_rng(H * 1000 + kvl + n)
+    n_pages = (n + bs - 1) // bs + 1
+    rows = np.concatenate([rng.standard_normal((n_pages, bs, kvl)), rng.standard_normal((n_pages, bs, rope))], axis=2)
+    rows = rows.astype(np.float16)
+    table = rng.permutation(n_pages)[: (n + bs - 1) // bs].astype(np.int32)
+    w_kb = rng.standard_normal((H, nope, kvl)) / np.sqrt(kvl)
+    w_vb = rng.standard_normal((H, vdim, kvl)) / np.sqrt(kvl)
+    q_nope = rng.standard_normal((H, nope))
+    q_pe = rng.standard_normal((H, rope))
+    scale = 1.0 / np.sqrt(nope + rope)
+    q_lat = np.einsum("hnk,hn->hk", w_kb, q_nope)
+    q = np.concatenate([q_lat, q_pe], axis=1).astype(np.float32)
+    out_lat = ops.paged_attention(q, rows.view(np.uint16), None, table, n, scale, v_dim=kvl)
+    assert out_lat.shape == (H, kvl)
+    ours = np.einsum("hvk,hk->hv", w_vb, out_lat.astype(np.float64))
+    R = rows[table].reshape(-1, kvl + rope)[:n].astype(np.float64)
+    c, k_pe = R[:, :kvl], R[:, kvl:]
+    for h in range(H):
+        k = np.concatenate([c @ w_kb[h].T, k_pe], axis=1)  # [n, nope + rope]
+        s_ = k @ np.concatenate([q_nope[h], q_pe[h]]) * scale
+        p_ = np.exp(s_ - s_.max())
+        ref = (p_ / p_.sum()) @ (c @ w_vb[h].T)
+        assert np.abs(ours[h] - ref).max() <= 3e-3 * max(1.0, np.abs(ref).max()), h
+
+
+def test_latent_attention_block_equals_single():
+    # The prefill block kernel over the same latent rows gives each token exactly what the
+    # single-query kernel gives it.
+    kvl, rope, G, nt, pos0, bs = 48, 16, 8, 8, 250, 16
+    n = pos0 + nt
+    rng = np.random.default_rng(5)
+    n_pages = (n + bs - 1) // bs
+    rows = rng.standard_normal((n_pages, bs, kvl + rope)).astype(np.float16)
+    table = np.arange(n_pages, dtype=np.int32)[::-1].copy()
+    q = rng.standard_normal((nt, G, kvl + rope)).astype(np.float32)
+    out = ops.paged_attention_causal(q, rows.view(np.uint16), None, table, pos0, 0.1, v_dim=kvl)
+    assert out.shape == (nt, G, kvl)
+    for t in range(nt):
+        single = ops.paged_attention(q[t], rows.view(np.uint16), None, table, pos0 + t + 1, 0.1, v_dim=kvl)
+        np.testing.assert_array_equal(out[t], single)
+
+
 def test_paged_attention_rejects_bad_tables():
     k = np.zeros((2, 16, 8), np.uint16)
+    with pytest.raises(ValueError, match="v_dim"):  # latent rows need the value width
+        ops.paged_attention(np.zeros(8, np.float32), k, None, np.array([0], np.int32), 4, 1.0)
+    with pytest.raises(ValueError, match="v_dim"):
+        ops.paged_attention(np.zeros(8, np.float32), k, k, np.array([0], np.int32), 4, 1.0, v_dim=9)
     with pytest.raises(ValueError):
         ops.paged_attention(np.zeros(8, np.float32), k, k, np.array([0, 5], np.int32), 20, 1.0)
     with pytest.raises(ValueError):

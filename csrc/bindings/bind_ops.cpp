@@ -35,41 +35,66 @@ void bind_ops(py::module_& m) {
       if (table.data()[i] < 0 || table.data()[i] >= pages) throw py::value_error("table entry out of range");
     return std::pair<int64_t, int64_t>(bs, k_pages.shape(2));
   };
+  // v_pages None: V is the first v_dim values of each K row (multi-head latent attention).
+  auto pages_of = [](const carray<uint16_t>& k_pages, const py::object& v_pages, carray<uint16_t>& v_holder,
+                     int64_t v_dim, int64_t D) {
+    if (v_pages.is_none()) {
+      if (v_dim < 1 || v_dim > D) throw py::value_error("with v_pages None, v_dim must be in [1, head_dim]");
+      return k_pages;
+    }
+    v_holder = v_pages.cast<carray<uint16_t>>();
+    if (v_dim < 0 || v_dim > D) throw py::value_error("v_dim must be in [0, head_dim]");
+    return v_holder;
+  };
   o.def("paged_attention",
-        [check_pages](carray<float> q, carray<uint16_t> k_pages, carray<uint16_t> v_pages, carray<int32_t> table,
-                      int64_t n, float scale) {
+        [check_pages, pages_of](carray<float> q, carray<uint16_t> k_pages, py::object v_pages_obj,
+                                carray<int32_t> table, int64_t n, float scale, int64_t v_dim) {
+          carray<uint16_t> holder;
+          const int64_t D0 = k_pages.ndim() == 3 ? k_pages.shape(2) : 0;
+          const carray<uint16_t> v_pages = pages_of(k_pages, v_pages_obj, holder, v_dim, D0);
           const auto [bs, D] = check_pages(k_pages, v_pages, table, n);
+          const int64_t Dv = v_dim > 0 ? v_dim : D;
           // q: one head (head_dim values) or several sharing the KV head ([n_heads, head_dim]).
           if (q.size() % D != 0 || q.size() == 0) throw py::value_error("q must be [n_heads, head_dim]");
           const int64_t G = q.size() / D;
-          py::array_t<float> out(q.ndim() == 2 ? std::vector<py::ssize_t>{G, D} : std::vector<py::ssize_t>{D});
+          py::array_t<float> out(q.ndim() == 2 ? std::vector<py::ssize_t>{G, Dv} : std::vector<py::ssize_t>{Dv});
           {
             py::gil_scoped_release nogil;
-            const cpu::PagedKv kv{k_pages.data(), v_pages.data(), size_t(bs * D), table.data(), int(bs)};
+            cpu::PagedKv kv{k_pages.data(), v_pages.data(), size_t(bs * D), table.data(), int(bs)};
+            kv.v_dim = int(v_dim);
             cpu::paged_attention(q.data(), int(G), int(D), kv, n, scale, out.mutable_data());
           }
           return out;
         },
         py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("table"), py::arg("n"),
-        py::arg("scale"), "softmax(q.K*scale).V over paged half-precision K/V (pages as uint16 bits)");
+        py::arg("scale"), py::arg("v_dim") = 0,
+        "softmax(q.K*scale).V over paged half-precision K/V (pages as uint16 bits); v_pages None: "
+        "V is the first v_dim values of each K row (latent attention)");
   o.def("paged_attention_causal",
-        [check_pages](carray<float> q, carray<uint16_t> k_pages, carray<uint16_t> v_pages, carray<int32_t> table,
-                      int64_t pos0, float scale) {
+        [check_pages, pages_of](carray<float> q, carray<uint16_t> k_pages, py::object v_pages_obj,
+                                carray<int32_t> table, int64_t pos0, float scale, int64_t v_dim) {
           if (q.ndim() != 3) throw py::value_error("q must be [n_tokens, n_heads, head_dim]");
+          carray<uint16_t> holder;
+          const int64_t D0 = k_pages.ndim() == 3 ? k_pages.shape(2) : 0;
+          const carray<uint16_t> v_pages = pages_of(k_pages, v_pages_obj, holder, v_dim, D0);
           const int64_t nt = q.shape(0), G = q.shape(1);
           const auto [bs, D] = check_pages(k_pages, v_pages, table, pos0 + nt);
           if (q.shape(2) != D || pos0 < 0 || nt * G > cpu::kAttentionBlockRows)
             throw py::value_error("q must be [n_tokens, n_heads, head_dim] with n_tokens * n_heads <= " +
                                   std::to_string(cpu::kAttentionBlockRows));
-          py::array_t<float> out({nt, G, D});
+          const int64_t Dv = v_dim > 0 ? v_dim : D;
+          py::array_t<float> out({nt, G, Dv});
           {
             py::gil_scoped_release nogil;
-            const cpu::PagedKv kv{k_pages.data(), v_pages.data(), size_t(bs * D), table.data(), int(bs)};
-            cpu::paged_attention_causal(q.data(), G * D, int(nt), int(G), int(D), kv, pos0, scale, out.mutable_data());
+            cpu::PagedKv kv{k_pages.data(), v_pages.data(), size_t(bs * D), table.data(), int(bs)};
+            kv.v_dim = int(v_dim);
+            cpu::paged_attention_causal(q.data(), G * D, int(nt), int(G), int(D), kv, pos0, scale, out.mutable_data(),
+                                        G * Dv);
           }
           return out;
         },
         py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("table"), py::arg("pos0"), py::arg("scale"),
+        py::arg("v_dim") = 0,
         "paged_attention for n_tokens consecutive positions from pos0, causally, as one block");
   o.def("silu_mul", [](carray<float> g, carray<float> u) {
     if (g.size() != u.size()) throw py::value_error("g and u differ in size");

@@ -101,7 +101,7 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
         cpu::paged_attention(q_.data() + at, group, D, pages, int64_t(bt.pos) + 1, scale, attn_.data() + at);
       else
         cpu::paged_attention_causal(q_.data() + at, int64_t(H) * D, nt, group, D, pages, bt.pos, scale,
-                                    attn_.data() + at);
+                                    attn_.data() + at, int64_t(H) * D);
     }
   });
 }

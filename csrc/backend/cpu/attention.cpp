@@ -12,7 +12,7 @@ namespace tf::cpu {
 
 namespace {
 constexpr int kMaxHeadDim = 512;
-constexpr int kMaxGroup = 64;  // query heads per KV head
+constexpr int kMaxGroup = 128;  // query heads per KV head (MLA: all heads share the latent)
 
 // One query row's online-softmax step over n scores of a tile (already scaled): when the tile
 // raises the row's running maximum, the row's output and running sum are rescaled (not for
@@ -41,7 +41,8 @@ void softmax_tile_step(const VecOps& ops, float* sc, int64_t n, bool first_tile,
 }  // namespace
 
 void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n, float scale, float* out) {
-  TF_CHECK(G > 0 && G <= kMaxGroup && D > 0 && D <= kMaxHeadDim && n > 0, "paged_attention: bad sizes");
+  const int Dv = kv.v_dim > 0 ? kv.v_dim : D;
+  TF_CHECK(G > 0 && G <= kMaxGroup && D > 0 && D <= kMaxHeadDim && Dv <= D && n > 0, "paged_attention: bad sizes");
   const VecOps& ops = vec_ops();
   const int bs = kv.block_size;
   // Per-thread scratch, bounded by the tile whatever n is: the G rounded queries, a tile of
@@ -59,17 +60,17 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
   double sum[kMaxGroup];
   std::fill(mx, mx + G, -INFINITY);
   std::fill(sum, sum + G, 0.0);
-  std::fill(out, out + size_t(G) * D, 0.f);
-  // Row j of the tile: in the cache (float) or converted into `rows` (half).
+  std::fill(out, out + size_t(G) * Dv, 0.f);
+  // Row j of the tile: in the cache (float) or its first `width` values converted into `rows` (half).
   const float* row_ptr[kAttentionTile];
-  auto gather = [&](const void* base, int64_t j0, int64_t m) {
+  auto gather = [&](const void* base, int64_t j0, int64_t m, int width) {
     int64_t b = j0 / bs, in_page = j0 % bs;
     for (int64_t j = 0; j < m; ++j) {
       const size_t at = size_t(kv.table[b]) * kv.page_stride + size_t(in_page) * size_t(D);
       if (kv.f32) {
         row_ptr[j] = static_cast<const float*>(base) + at;
       } else {
-        ops.f16_to_f32(D, static_cast<const uint16_t*>(base) + at, rows + j * D);
+        ops.f16_to_f32(width, static_cast<const uint16_t*>(base) + at, rows + j * D);
         row_ptr[j] = rows + j * D;
       }
       if (++in_page == bs) { in_page = 0; ++b; }
@@ -77,7 +78,7 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
   };
   for (int64_t j0 = 0; j0 < n; j0 += kAttentionTile) {
     const int64_t m = std::min<int64_t>(kAttentionTile, n - j0);
-    gather(kv.k_base, j0, m);
+    gather(kv.k_base, j0, m, D);
     // Scores: each K row against all G queries at once (independent dot chains).
     float dots[kMaxGroup];
     for (int64_t j = 0; j < m; ++j) {
@@ -86,21 +87,22 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
     }
     for (int h = 0; h < G; ++h)
       softmax_tile_step(ops, scores + size_t(h) * kAttentionTile, m, j0 == 0, !kv.f32, mx[h], sum[h],
-                        out + size_t(h) * D, D);
-    gather(kv.v_base, j0, m);
+                        out + size_t(h) * Dv, Dv);
+    if (kv.v_base != kv.k_base) gather(kv.v_base, j0, m, Dv);  // else the K rows' prefix is V
     float p[kMaxGroup];
     for (int64_t j = 0; j < m; ++j) {
       for (int h = 0; h < G; ++h) p[h] = scores[size_t(h) * kAttentionTile + size_t(j)];
-      ops.axpy_rows_f32(D, p, G, row_ptr[j], out, D);
+      ops.axpy_rows_f32(Dv, p, G, row_ptr[j], out, Dv);
     }
   }
-  for (int h = 0; h < G; ++h) ops.scale(D, out + size_t(h) * D, float(1.0 / sum[h]));
+  for (int h = 0; h < G; ++h) ops.scale(Dv, out + size_t(h) * Dv, float(1.0 / sum[h]));
 }
 
 void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, int G, int D, const PagedKv& kv,
-                            int64_t pos0, float scale, float* out) {
+                            int64_t pos0, float scale, float* out, int64_t out_token_stride) {
   const int R = n_tokens * G;
-  TF_CHECK(G > 0 && D > 0 && D <= kMaxHeadDim && n_tokens > 0 && R <= kAttentionBlockRows && pos0 >= 0,
+  const int Dv = kv.v_dim > 0 ? kv.v_dim : D;
+  TF_CHECK(G > 0 && D > 0 && D <= kMaxHeadDim && Dv <= D && n_tokens > 0 && R <= kAttentionBlockRows && pos0 >= 0,
            "paged_attention_causal: bad sizes");
   const VecOps& ops = vec_ops();
   const int bs = kv.block_size;
@@ -119,26 +121,26 @@ void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, 
       const float v = q[t * token_stride + i];
       qr[size_t(t) * G * D + i] = kv.f32 ? v : fp16_to_fp32(fp32_to_fp16(v));
     }
-  std::fill(acc, acc + size_t(R) * D, 0.f);
+  std::fill(acc, acc + size_t(R) * Dv, 0.f);
   float mx[kAttentionBlockRows];
   double sum[kAttentionBlockRows];
   std::fill(mx, mx + R, -INFINITY);
   std::fill(sum, sum + R, 0.0);
-  auto gather = [&](const void* base, int64_t j0, int64_t m) {
+  auto gather = [&](const void* base, int64_t j0, int64_t m, int width) {
     int64_t b = j0 / bs, in_page = j0 % bs;
     for (int64_t j = 0; j < m; ++j) {
       const size_t at = size_t(kv.table[b]) * kv.page_stride + size_t(in_page) * size_t(D);
       if (kv.f32)
-        std::copy_n(static_cast<const float*>(base) + at, D, rows + j * D);
+        std::copy_n(static_cast<const float*>(base) + at, width, rows + j * D);
       else
-        ops.f16_to_f32(D, static_cast<const uint16_t*>(base) + at, rows + j * D);
+        ops.f16_to_f32(width, static_cast<const uint16_t*>(base) + at, rows + j * D);
       if (++in_page == bs) { in_page = 0; ++b; }
     }
   };
   const int64_t n = pos0 + n_tokens;  // keys the last token sees
   for (int64_t j0 = 0; j0 < n; j0 += T) {
     const int m = int(std::min<int64_t>(T, n - j0));
-    gather(kv.k_base, j0, m);
+    gather(kv.k_base, j0, m, D);
     ops.dot_block_f32(D, qr, D, R, rows, D, m, scores, T);
     for (int r = 0; r < R; ++r) {
       float* sc = scores + size_t(r) * T;
@@ -149,19 +151,19 @@ void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, 
         continue;
       }
       for (int j = 0; j < seen; ++j) sc[j] *= scale;
-      softmax_tile_step(ops, sc, seen, j0 == 0, !kv.f32, mx[r], sum[r], acc + size_t(r) * D, D);
+      softmax_tile_step(ops, sc, seen, j0 == 0, !kv.f32, mx[r], sum[r], acc + size_t(r) * Dv, Dv);
       std::fill(sc + seen, sc + m, 0.f);
     }
-    gather(kv.v_base, j0, m);
-    ops.axpy_block_f32(D, scores, T, R, rows, D, m, acc, D);
+    if (kv.v_base != kv.k_base) gather(kv.v_base, j0, m, Dv);  // else the K rows' prefix is V
+    ops.axpy_block_f32(Dv, scores, T, R, rows, D, m, acc, Dv);
   }
   for (int t = 0; t < n_tokens; ++t)
     for (int h = 0; h < G; ++h) {
       const int r = t * G + h;
       const float inv = float(1.0 / sum[r]);
-      const float* src = acc + size_t(r) * D;
-      float* dst = out + t * token_stride + size_t(h) * D;
-      for (int i = 0; i < D; ++i) dst[i] = src[i] * inv;
+      const float* src = acc + size_t(r) * Dv;
+      float* dst = out + t * out_token_stride + size_t(h) * Dv;
+      for (int i = 0; i < Dv; ++i) dst[i] = src[i] * inv;
     }
 }
 
