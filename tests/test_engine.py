@@ -85,6 +85,20 @@ def test_batched_decode_equals_solo_decode(smollm2_path, engine):
     assert eng.stats()["free_kv_tokens"] == eng.stats()["kv_tokens"]
 
 
+def test_kv_bytes_per_token_from_the_file(smollm2_path, engine):
+    # layers x KV heads x head dim x (K and V) x 2 bytes (F16 cache), from the GGUF's own keys
+    gguf = pytest.importorskip("gguf")
+    r = gguf.GGUFReader(smollm2_path)
+
+    def key(name):
+        f = r.fields[f"llama.{name}"]
+        return int(f.parts[f.data[0]][0])
+
+    head_dim = key("embedding_length") // key("attention.head_count")
+    want = key("block_count") * key("attention.head_count_kv") * head_dim * 2 * 2
+    assert engine.stats()["kv_bytes_per_token"] == want
+
+
 def test_logits_agree_with_greedy(engine):
     case = GREEDY[0]
     ids = case["prompt_ids"] + case["generated_ids"][:8]

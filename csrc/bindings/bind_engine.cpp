@@ -198,6 +198,7 @@ void bind_engine(py::module_& m) {
         d["decode_seconds"] = s.decode_seconds;
         d["active_requests"] = active;
         d["kv_tokens"] = e.kv_tokens();
+        d["kv_bytes_per_token"] = e.kv_bytes_per_token();
         d["free_kv_tokens"] = free_kv;
         if (e.config().is_moe()) d["expert_usage"] = usage;
         return d;

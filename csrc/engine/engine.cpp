@@ -114,15 +114,19 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   const int64_t n_blocks = (kv_tokens + kKvBlockSize - 1) / kKvBlockSize;
 
   // Memory plan of the KV pool, every product checked, before anything is allocated.
-  const uint64_t per_token = PagedKvCache::bytes_per_token(c.n_layer, model_->local_kv_heads(), c.head_dim,
-                                                           opts.kv_type);
+  const KvLayout layout = model_->kv_layout();
+  const uint64_t per_token = PagedKvCache::bytes_per_token(c.n_layer, layout, opts.kv_type);
   const int elem = opts.kv_type == KvType::F32 ? 4 : 2;
   std::ostringstream why;
-  why << "(kv_tokens " << n_blocks * kKvBlockSize << " x " << c.n_layer << " layers x "
-      << model_->local_kv_heads() << " KV heads x head dim " << c.head_dim << " x K and V x " << elem
-      << " bytes)";
-  const double want_exact = double(c.n_layer) * double(model_->local_kv_heads()) * double(c.head_dim) * 2.0 *
-                            elem * double(n_blocks) * kKvBlockSize;
+  why << "(kv_tokens " << n_blocks * kKvBlockSize << " x " << c.n_layer << " layers x " << layout.n_heads
+      << " KV heads x ";
+  if (layout.v_dim == layout.k_dim)
+    why << "head dim " << layout.k_dim << " x K and V";
+  else
+    why << "(K " << layout.k_dim << " + V " << layout.v_dim << ") values";
+  why << " x " << elem << " bytes)";
+  const double want_exact = double(c.n_layer) * double(layout.values_per_position()) * elem * double(n_blocks) *
+                            kKvBlockSize;
   uint64_t pool_bytes = 0;
   if (per_token == 0 || __builtin_mul_overflow(per_token, uint64_t(n_blocks) * kKvBlockSize, &pool_bytes))
     fail(ErrorKind::OutOfMemory, "the KV cache would need ", gib(want_exact), " ", why.str(),
@@ -143,8 +147,7 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     fail(ErrorKind::OutOfMemory, "activation scratch for ", max_batch_tokens_, " tokens per step (",
          gib(scratch), ") and the KV cache (", gib(double(pool_bytes)), ") exceed this machine's ",
          gib(double(limit)), " of memory; lower max_batch_tokens, kv_tokens or context");
-  kv_ = std::make_unique<PagedKvCache>(c.n_layer, model_->local_kv_heads(), c.head_dim, kKvBlockSize, n_blocks,
-                                       opts.kv_type);
+  kv_ = std::make_unique<PagedKvCache>(c.n_layer, layout, kKvBlockSize, n_blocks, opts.kv_type);
   pool_ = std::make_unique<ThreadPool>(threads);
   // Ctrl-C may stop a local forward (TP=1) or the follower (which then exits), but never
   // rank 0 of a TP pair mid-collective: that would desynchronise the pair.

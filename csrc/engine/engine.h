@@ -87,6 +87,8 @@ class Engine {
   int max_batch_tokens() const { return max_batch_tokens_; }
   int64_t kv_tokens() const { return kv_->n_blocks() * kv_->block_size(); }
   size_t kv_bytes() const { return kv_->bytes(); }
+  // Cache bytes one token takes on this rank, all layers (the attention kind's row layout).
+  uint64_t kv_bytes_per_token() const { return PagedKvCache::bytes_per_token(model_->config().n_layer, kv_->layout(), kv_->type()); }
 
   int64_t free_kv_tokens() const;
   EngineStats stats() const;

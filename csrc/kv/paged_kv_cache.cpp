@@ -19,25 +19,23 @@ std::string gib_str(double gib) {
 }
 }  // namespace
 
-PagedKvCache::PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks,
-                           KvType type)
-    : n_layer_(n_layer), n_kv_head_(n_kv_head), head_dim_(head_dim), block_size_(block_size),
-      n_blocks_(n_blocks), type_(type) {
-  TF_CHECK(n_layer > 0 && n_kv_head > 0 && head_dim > 0 && block_size > 0 && n_blocks > 0,
+PagedKvCache::PagedKvCache(int n_layer, const KvLayout& layout, int block_size, int64_t n_blocks, KvType type)
+    : n_layer_(n_layer), layout_(layout), block_size_(block_size), n_blocks_(n_blocks), type_(type) {
+  TF_CHECK(n_layer > 0 && layout.n_heads > 0 && layout.k_dim > 0 && layout.v_dim >= 0 && block_size > 0 &&
+               n_blocks > 0,
            "invalid KV cache geometry");
   TF_CHECK(n_blocks <= std::numeric_limits<int32_t>::max(), "the KV cache has ", n_blocks,
            " blocks, more than block ids can number (2^31 - 1); lower kv_tokens");
-  // elements = layers x blocks x {K, V} x heads x block_size x head_dim, each product checked.
+  // elements = layers x blocks x block_size x values per position, each product checked.
   uint64_t elems = 1;
   bool overflow = false;
-  for (uint64_t f : {uint64_t(n_layer), uint64_t(n_blocks), uint64_t(2), uint64_t(n_kv_head),
-                     uint64_t(block_size), uint64_t(head_dim)})
+  for (uint64_t f : {uint64_t(n_layer), uint64_t(n_blocks), uint64_t(block_size), uint64_t(layout.values_per_position())})
     overflow |= __builtin_mul_overflow(elems, f, &elems);
   uint64_t bytes = 0;
   overflow |= __builtin_mul_overflow(elems, uint64_t(elem_size()), &bytes);
   overflow |= bytes > uint64_t(std::numeric_limits<std::ptrdiff_t>::max());
-  const std::string gib = gib_str(double(n_layer) * double(n_blocks) * 2 * double(n_kv_head) * double(block_size) *
-                     double(head_dim) * double(elem_size()) / double(1ull << 30));
+  const std::string gib = gib_str(double(n_layer) * double(n_blocks) * double(block_size) *
+                                  double(layout.values_per_position()) * double(elem_size()) / double(1ull << 30));
   if (overflow)
     fail(ErrorKind::OutOfMemory, "the KV cache pool would need ", gib,
          " GiB, more than can be addressed; lower kv_tokens (or context)");
@@ -51,11 +49,12 @@ PagedKvCache::PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_s
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_list_.push_back(int32_t(b));
 }
 
-uint64_t PagedKvCache::bytes_per_token(int n_layer, int n_kv_head, int head_dim, KvType type) {
+uint64_t PagedKvCache::bytes_per_token(int n_layer, const KvLayout& layout, KvType type) {
   uint64_t b = type == KvType::F32 ? 4 : 2;
-  for (int f : {n_layer, n_kv_head, head_dim, 2}) {
-    if (f <= 0 || __builtin_mul_overflow(b, uint64_t(f), &b)) return 0;
-  }
+  const int64_t per = layout.values_per_position();
+  if (n_layer <= 0 || per <= 0 || layout.n_heads <= 0 || layout.k_dim <= 0 || layout.v_dim < 0) return 0;
+  for (uint64_t f : {uint64_t(n_layer), uint64_t(per)})
+    if (__builtin_mul_overflow(b, f, &b)) return 0;
   return b;
 }
 
@@ -116,12 +115,14 @@ int64_t PagedKvCache::capacity(int seq) const {
 
 void* PagedKvCache::k_row(int layer, int seq, int64_t pos, int kv_head) {
   const int32_t block = tables_[size_t(seq)][size_t(pos / block_size_)];
-  return at(layer, block, 0, kv_head) + size_t(pos % block_size_) * size_t(head_dim_) * elem_size();
+  return static_cast<uint8_t*>(k_block(layer, block, kv_head)) +
+         size_t(pos % block_size_) * size_t(layout_.k_dim) * elem_size();
 }
 
 void* PagedKvCache::v_row(int layer, int seq, int64_t pos, int kv_head) {
   const int32_t block = tables_[size_t(seq)][size_t(pos / block_size_)];
-  return at(layer, block, 1, kv_head) + size_t(pos % block_size_) * size_t(head_dim_) * elem_size();
+  const size_t width = size_t(layout_.v_dim > 0 ? layout_.v_dim : layout_.k_dim);
+  return static_cast<uint8_t*>(v_block(layer, block, kv_head)) + size_t(pos % block_size_) * width * elem_size();
 }
 
 }  // namespace tf

@@ -1,6 +1,6 @@
 // Paged KV cache: one pool of fixed-size blocks allocated once at start-up, per-sequence
 // block tables, blocks returned to the free list when a sequence ends. K and V are stored
-// as IEEE half; each (layer, block, kv head) holds block_size rows of head_dim values.
+// as IEEE half (or float); the attention kind decides the rows (KvLayout).
 // Every size is checked for overflow before the pool is allocated; block ids are int32, so
 // the pool holds at most 2^31 - 1 blocks, and at most max_seqs() sequences exist at once.
 #pragma once
@@ -13,13 +13,22 @@ namespace tf {
 
 enum class KvType { F16, F32 };
 
+// The cache rows of one attention kind, per (layer, block): n_heads K rows of k_dim values for
+// each position, then n_heads V rows of v_dim. v_dim == 0: no V rows — the attention reads V
+// as a prefix of the K row (multi-head latent attention keeps one row per token: the latent,
+// then the rope key). GQA: {kv heads, head_dim, head_dim}.
+struct KvLayout {
+  int n_heads = 0, k_dim = 0, v_dim = 0;
+  int64_t values_per_position() const { return int64_t(n_heads) * (int64_t(k_dim) + int64_t(v_dim)); }
+};
+
 class PagedKvCache {
  public:
-  PagedKvCache(int n_layer, int n_kv_head, int head_dim, int block_size, int64_t n_blocks,
-               KvType type = KvType::F16);
+  PagedKvCache(int n_layer, const KvLayout& layout, int block_size, int64_t n_blocks, KvType type = KvType::F16);
 
   // Bytes of K and V one token takes over all layers; 0 when that overflows.
-  static uint64_t bytes_per_token(int n_layer, int n_kv_head, int head_dim, KvType type);
+  static uint64_t bytes_per_token(int n_layer, const KvLayout& layout, KvType type);
+  const KvLayout& layout() const { return layout_; }
   // Sequence slots that may exist at once (a live sequence holds at least one block).
   static constexpr int kMaxSeqs = 1 << 16;
   int max_seqs() const { return int(std::min<int64_t>(n_blocks_, kMaxSeqs)); }
@@ -46,23 +55,30 @@ class PagedKvCache {
   // Checks the slot and every block id.
   void assign_table(int seq, const int32_t* blocks, size_t n);
 
-  // Rows of one (layer, block, kv head): [block_size][head_dim] elements.
-  void* k_block(int layer, int32_t block, int kv_head) { return at(layer, block, 0, kv_head); }
-  void* v_block(int layer, int32_t block, int kv_head) { return at(layer, block, 1, kv_head); }
-  // Elements between the same (layer, kv head) rows of consecutive blocks.
-  size_t page_stride() const { return 2 * size_t(n_kv_head_) * size_t(block_size_) * size_t(head_dim_); }
+  // Rows of one (layer, block, kv head): [block_size][k_dim] (V: [block_size][v_dim], or the
+  // K rows themselves when the layout has no V rows).
+  void* k_block(int layer, int32_t block, int kv_head) {
+    return base(layer, block) + size_t(kv_head) * size_t(block_size_) * size_t(layout_.k_dim) * elem_size();
+  }
+  void* v_block(int layer, int32_t block, int kv_head) {
+    if (layout_.v_dim == 0) return k_block(layer, block, kv_head);
+    return base(layer, block) + (size_t(layout_.n_heads) * size_t(layout_.k_dim) + size_t(kv_head) * size_t(layout_.v_dim)) *
+                                    size_t(block_size_) * elem_size();
+  }
+  // Elements between the same (layer, kv head) rows of consecutive blocks (K and V alike).
+  size_t page_stride() const { return size_t(block_size_) * size_t(layout_.values_per_position()); }
   // Row of the token at `pos` of sequence `seq`.
   void* k_row(int layer, int seq, int64_t pos, int kv_head);
   void* v_row(int layer, int seq, int64_t pos, int kv_head);
 
  private:
-  uint8_t* at(int layer, int32_t block, int kv, int head) {
-    const size_t idx = ((size_t(layer) * size_t(n_blocks_) + size_t(block)) * 2 + size_t(kv)) *
-                           size_t(n_kv_head_) + size_t(head);
-    return storage_.get() + idx * size_t(block_size_) * size_t(head_dim_) * elem_size();
+  uint8_t* base(int layer, int32_t block) {
+    return storage_.get() + (size_t(layer) * size_t(n_blocks_) + size_t(block)) * page_stride() * elem_size();
   }
 
-  int n_layer_, n_kv_head_, head_dim_, block_size_;
+  int n_layer_;
+  KvLayout layout_;
+  int block_size_;
   int64_t n_blocks_;
   KvType type_;
   // Left uninitialised: pages are touched only when a block is first written, so a large
