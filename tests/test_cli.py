@@ -64,6 +64,16 @@ def test_info_reports_types_and_bpw(smollm2_path):
     assert r.returncode == 0, r.stderr
     assert "llama" in r.stdout and "Q4_1" in r.stdout and "Q8_0" in r.stdout
     assert "bits per weight" in r.stdout
+    # the KV cache per token: layers x KV heads x head dim x K and V x 2 bytes (F16), from the file's keys
+    gguf = pytest.importorskip("gguf")
+    f = gguf.GGUFReader(smollm2_path).fields
+
+    def key(name):
+        return int(f[f"llama.{name}"].parts[f[f"llama.{name}"].data[0]][0])
+
+    want = key("block_count") * key("attention.head_count_kv") * (
+        key("embedding_length") // key("attention.head_count")) * 2 * 2
+    assert f"kv cache:      {want} bytes per token (F16)" in r.stdout
 
 
 def test_errors_are_clear_not_tracebacks(tmp_path):

@@ -17,6 +17,8 @@
 #include "bindings/bindings.h"
 #include "core/error.h"
 #include "gguf/gguf_reader.h"
+#include "kv/paged_kv_cache.h"
+#include "model/model_config.h"
 #include "quant/traits.h"
 
 namespace py = pybind11;
@@ -241,6 +243,14 @@ void bind_array(py::module_& m) {
 
 void bind_gguf(py::module_& m) {
   bind_array(m);
+  m.def("kv_bytes_per_token",
+        [](const GgufFile& f, const std::string& kv_type) {
+          if (kv_type != "f16" && kv_type != "f32") throw py::value_error("kv_type must be 'f16' or 'f32'");
+          const ModelConfig c = ModelConfig::from_gguf(f);  // refuses what the engine refuses
+          return PagedKvCache::bytes_per_token(c.n_layer, c.kv_layout(), kv_type == "f32" ? KvType::F32 : KvType::F16);
+        },
+        py::arg("file"), py::arg("kv_type") = "f16",
+        "KV cache bytes one token takes in a TensorFold engine on this model (all layers, TP=1)");
   py::class_<GgufFile, std::shared_ptr<GgufFile>>(m, "GgufFile",
                                                   "A memory-mapped, fully validated GGUF file.")
       .def(py::init([](const py::object& path) {

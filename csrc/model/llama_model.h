@@ -108,7 +108,7 @@ class LlamaModel {
   const TpShard& tp() const { return tp_; }
   int local_kv_heads() const { return int(local_kv_heads_); }
   // The cache rows this rank's attention keeps per position (GQA: its KV heads' K and V rows).
-  KvLayout kv_layout() const { return {int(local_kv_heads_), cfg_.head_dim, cfg_.head_dim}; }
+  KvLayout kv_layout() const { return cfg_.kv_layout(int(local_kv_heads_)); }
 
   const ModelConfig& config() const { return cfg_; }
   const GgufFile& file() const { return *file_; }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "gguf/gguf_reader.h"
+#include "kv/paged_kv_cache.h"
 #include "moe/router.h"
 
 namespace tf {
@@ -58,6 +59,10 @@ struct ModelConfig {
   moe::RouterConfig router;  // gating, top-k, normalisation, scale, groups
 
   bool is_moe() const { return n_expert > 0; }
+
+  // The cache rows of the whole model's attention per position (one rank's: its share of heads).
+  KvLayout kv_layout(int kv_heads) const { return {kv_heads, head_dim, head_dim}; }
+  KvLayout kv_layout() const { return kv_layout(n_head_kv); }
 
   static ModelConfig from_gguf(const GgufFile& f);
   std::string summary() const;

@@ -59,6 +59,11 @@ def describe(model: str, show_tensors: bool = False) -> str:
         v = md.get(f"{arch}.{key}")
         if v is not None:
             lines.append(f"  {key + ':':<26}{_show(v)}")
+    try:
+        kv = _core.kv_bytes_per_token(f)
+        lines.append(f"kv cache:      {kv} bytes per token (F16), {kv * 1024 / 2**20:.1f} MiB per 1K tokens")
+    except ValueError as e:  # an architecture or layout the engine refuses: say so, keep going
+        lines.append(f"kv cache:      - ({str(e).splitlines()[0]})")
     tok = md.get("tokenizer.ggml.tokens")
     n_tok = _count(tok)
     if tok is None:
