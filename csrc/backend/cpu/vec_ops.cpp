@@ -14,16 +14,6 @@ const VecOps* vec_ops_avx2_table();    // vec_ops_avx2.cpp
 
 namespace {
 
-float dot_f32_f16_scalar(int64_t n, const float* a, const uint16_t* b) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * fp16_to_fp32(b[i]);
-  return s;
-}
-
-void axpy_f16_scalar(int64_t n, float alpha, const uint16_t* x, float* y) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * fp16_to_fp32(x[i]);
-}
-
 void f32_to_f16_scalar(int64_t n, const float* x, uint16_t* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = fp32_to_fp16(x[i]);
 }
@@ -79,9 +69,8 @@ void axpy_block_f32_scalar(int64_t n, const float* p, int64_t ldp, int rows, con
     for (int j = 0; j < m; ++j) axpy_f32_scalar(n, p[r * ldp + j], x + j * ldx, y + r * ldy);
 }
 
-const VecOps kScalar = {dot_f32_f16_scalar, axpy_f16_scalar, f32_to_f16_scalar, exp_sub_sum_scalar,
-                        silu_mul_scalar,    scale_scalar,    dot_f32_scalar,    axpy_f32_scalar,
-                        f16_to_f32_scalar,  dot_rows_f32_scalar, axpy_rows_f32_scalar,
+const VecOps kScalar = {f32_to_f16_scalar,   exp_sub_sum_scalar, silu_mul_scalar,
+                        scale_scalar,        f16_to_f32_scalar,  dot_rows_f32_scalar, axpy_rows_f32_scalar,
                         dot_block_f32_scalar, axpy_block_f32_scalar};
 
 }  // namespace

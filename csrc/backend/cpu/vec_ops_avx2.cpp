@@ -42,26 +42,6 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
 }
 
-float dot_f32_f16(int64_t n, const float* a, const uint16_t* b) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_h8(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_h8(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_h8(b + i), acc0);
-  float s = hsum(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) s += a[i] * fp16_to_fp32(b[i]);
-  return s;
-}
-
-void axpy_f16(int64_t n, float alpha, const uint16_t* x, float* y) {
-  const __m256 va = _mm256_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load_h8(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * fp16_to_fp32(x[i]);
-}
-
 void f32_to_f16(int64_t n, const float* x, uint16_t* y) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -103,26 +83,6 @@ void scale(int64_t n, float* y, float a) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), va));
   for (; i < n; ++i) y[i] *= a;
-}
-
-float dot_f32(int64_t n, const float* a, const float* b) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  float s = hsum(_mm256_add_ps(acc0, acc1));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-void axpy_f32(int64_t n, float alpha, const float* x, float* y) {
-  const __m256 va = _mm256_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
 void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
@@ -264,8 +224,7 @@ void axpy_rows_f32(int64_t n, const float* alpha, int m, const float* x, float* 
   axpy_block_f32(n, alpha, 1, m, x, 0, 1, y, ldy);
 }
 
-const VecOps kAvx2 = {dot_f32_f16,   axpy_f16,     f32_to_f16,    exp_sub_sum, silu_mul,
-                      scale,         dot_f32,      axpy_f32,      f16_to_f32,  dot_rows_f32,
+const VecOps kAvx2 = {f32_to_f16,    exp_sub_sum,  silu_mul, scale, f16_to_f32, dot_rows_f32,
                       axpy_rows_f32, dot_block_f32, axpy_block_f32};
 
 }  // namespace

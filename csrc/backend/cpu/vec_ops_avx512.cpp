@@ -32,42 +32,6 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 
-float dot_f32_f16(int64_t n, const float* a, const uint16_t* b) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512 b0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + i)));
-    const __m512 b1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + i + 16)));
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), b0, acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), b1, acc1);
-  }
-  if (i + 16 <= n) {
-    const __m512 b0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + i)));
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), b0, acc0);
-    i += 16;
-  }
-  if (i < n) {
-    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-    const __m512 b0 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, b + i));
-    acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), b0, acc1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-void axpy_f16(int64_t n, float alpha, const uint16_t* x, float* y) {
-  const __m512 va = _mm512_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 xv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + i)));
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, xv, _mm512_loadu_ps(y + i)));
-  }
-  if (i < n) {
-    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-    const __m512 xv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, x + i));
-    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(va, xv, _mm512_maskz_loadu_ps(m, y + i)));
-  }
-}
-
 void f32_to_f16(int64_t n, const float* x, uint16_t* y) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -113,28 +77,6 @@ void scale(int64_t n, float* y, float a) {
   for (; i < n; ++i) y[i] *= a;
 }
 
-float dot_f32(int64_t n, const float* a, const float* b) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-  }
-  for (; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-}
-
-void axpy_f32(int64_t n, float alpha, const float* x, float* y) {
-  const __m512 va = _mm512_set1_ps(alpha);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
-  }
-}
-
 void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + i))));
@@ -143,8 +85,7 @@ void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
 
 // The attention products come from the AVX2 table (vec_ops()): single-query and block
 // attention must agree bit for bit, and they do by sharing one implementation.
-const VecOps kAvx512 = {dot_f32_f16, axpy_f16, f32_to_f16, exp_sub_sum, silu_mul, scale,  dot_f32,
-                        axpy_f32,    f16_to_f32, nullptr,  nullptr,     nullptr,  nullptr};
+const VecOps kAvx512 = {f32_to_f16, exp_sub_sum, silu_mul, scale, f16_to_f32, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
