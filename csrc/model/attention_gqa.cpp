@@ -1,6 +1,6 @@
 // The GQA attention block of LlamaModel: q/k/v biases, per-head q/k RMSNorm, RoPE, K/V rows
 // into the paged cache (store_qkv), and attention over the pages (single-query or prefill-block
-// kernels, backend/cpu/attention).
+// kernels, backend/cpu/attention), which the MLA block (attention_mla.cpp) shares.
 #include "model/llama_model.h"
 
 #include <algorithm>
@@ -63,11 +63,22 @@ void LlamaModel::store_qkv(const std::vector<BatchToken>& batch, int il, PagedKv
   });
 }
 
-void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv,
+void LlamaModel::gqa_block(const std::vector<BatchToken>& batch, int il, PagedKvCache& kv, ThreadPool& pool) {
+  const LayerWeights& L = layers_[size_t(il)];
+  const int64_t T = int64_t(batch.size()), E = cfg_.n_embd, D = cfg_.head_dim, QD = local_heads_ * D;
+  const int group = cfg_.n_head / cfg_.n_head_kv;
+  project({{&L.wq, q_.data()}, {&L.wk, k_.data()}, {&L.wv, v_.data()}}, xn_.data(), T, E, pool);
+  store_qkv(batch, il, kv, pool);
+  attention(batch, il, kv, q_.data(), QD, group, int(D), int(D), attn_.data(), QD, pool);
+  ksplit_matmul(L.wo, attn_.data(), T, QD, kv_split_ > 0 ? kv_split_ * group * D : -1, xn_.data(), part_.data(), pool);
+}
+
+void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv, const float* q,
+                           int64_t q_stride, int group, int head_dim, int v_dim, float* out, int64_t out_stride,
                            ThreadPool& pool) {
-  const int H = int(local_heads_), D = cfg_.head_dim, group = cfg_.n_head / cfg_.n_head_kv, HK = H / group;
   const int64_t T = int64_t(batch.size());
-  const float scale = 1.0f / std::sqrt(float(D));
+  const int HK = int(local_heads_) / group;
+  const float scale = cfg_.attn_scale;
   // Tokens go in blocks: a run of consecutive positions of one sequence (a prefill chunk),
   // up to kAttentionBlockRows query rows, is attended at once (its K/V tiles converted once);
   // a lone token (decode) takes the single-query kernel. One item per (block, KV head): the
@@ -95,13 +106,13 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
       const int g = int(it % HK);
       const BatchToken& bt = batch[size_t(t)];
       const cpu::PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
-                               kv.block_table(bt.seq).data(), kv.block_size(), kv.type() == KvType::F32};
-      const int64_t at = (t * H + int64_t(g) * group) * D;
+                               kv.block_table(bt.seq).data(), kv.block_size(), kv.type() == KvType::F32, v_dim};
+      const float* qt = q + t * q_stride + int64_t(g) * group * head_dim;
+      float* ot = out + t * out_stride + int64_t(g) * group * v_dim;
       if (nt == 1)
-        cpu::paged_attention(q_.data() + at, group, D, pages, int64_t(bt.pos) + 1, scale, attn_.data() + at);
+        cpu::paged_attention(qt, group, head_dim, pages, int64_t(bt.pos) + 1, scale, ot);
       else
-        cpu::paged_attention_causal(q_.data() + at, int64_t(H) * D, nt, group, D, pages, bt.pos, scale,
-                                    attn_.data() + at, int64_t(H) * D);
+        cpu::paged_attention_causal(qt, q_stride, nt, group, head_dim, pages, bt.pos, scale, ot, out_stride);
     }
   });
 }

@@ -45,14 +45,20 @@ double LlamaModel::scratch_bytes(int64_t max_tokens) const {
     if (w.rows > 0) layouts |= 1u << unsigned(w.layout);
   };
   for (const auto& L : layers_) {
-    act = std::max({act, double(L.wq.k), double(L.wo.k), double(L.w_down.k), double(L.down_exps.first.k)});
+    act = std::max({act, double(L.wq.k), double(L.wo.k), double(L.w_down.k), double(L.down_exps.first.k),
+                    double(L.wq_b.k)});
     for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down, &L.router,
                             &L.gate_exps.first, &L.up_exps.first, &L.down_exps.first, &L.gate_shexp,
-                            &L.up_shexp, &L.down_shexp})
+                            &L.up_shexp, &L.down_shexp, &L.wq_a, &L.wq_b, &L.wkv_a})
       use(*w);
   }
   act *= double(__builtin_popcount(layouts));  // one buffer per layout in use
   double floats = T * (6 * E + 2 * QD + 2 * KD + 2 * FW + double(cfg_.rope_dim));
+  if (cfg_.attention == AttentionKind::Mla) {
+    const double H = double(local_heads_), C = double(cfg_.kv_lora_rank), CR = C + double(cfg_.rope_dim);
+    floats += T * (double(cfg_.q_lora_rank) + CR + H * CR + H * C + H * double(cfg_.v_head_dim));
+    floats += T * H * (C + double(cfg_.qk_nope_dim) + 32);  // per-head activation rows (at most float)
+  }
   double bytes = 4 * floats + T * (1.25 * act + 64);
   if (cfg_.is_moe()) {
     const double K = double(cfg_.n_expert_used), FE = double(local_ff_exp_);
@@ -78,7 +84,14 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   q_.assign(T * QD, 0.f);
   k_.assign(T * KD, 0.f);
   v_.assign(T * KD, 0.f);
-  attn_.assign(T * QD, 0.f);
+  attn_.assign(T * std::max(QD, size_t(local_heads_) * size_t(cfg_.v_head_dim)), 0.f);
+  if (cfg_.attention == AttentionKind::Mla) {
+    const size_t H = size_t(local_heads_), C = size_t(cfg_.kv_lora_rank), CR = C + size_t(cfg_.rope_dim);
+    q_lora_.assign(T * size_t(cfg_.q_lora_rank), 0.f);
+    latent_.assign(T * CR, 0.f);
+    q_abs_.assign(T * H * CR, 0.f);
+    o_latent_.assign(T * H * C, 0.f);
+  }
   const size_t FW = std::max(F, size_t(shexp_width_));  // dense or shared-expert FFN width
   gate_.assign(T * FW, 0.f);
   up_.assign(T * FW, 0.f);
@@ -96,7 +109,7 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   consider(output_);
   for (const auto& L : layers_) {
     for (const Weight* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down, &L.router,
-                            &L.gate_shexp, &L.up_shexp, &L.down_shexp})
+                            &L.gate_shexp, &L.up_shexp, &L.down_shexp, &L.wq_a, &L.wq_b, &L.wkv_a})
       consider(*w);
     for (const Weight* w : {&L.gate_exps.first, &L.up_exps.first, &L.down_exps.first}) consider(*w, true);
   }
@@ -104,6 +117,16 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
     act_[l].stride = exp_act_[l].stride = (stride[l] + 63) & ~size_t(63);
     act_[l].data.assign(T * act_[l].stride, 0);
     exp_act_[l].data.clear();
+  }
+  // MLA's per-head products: T x heads rows for the layouts W_kb and W_vb use.
+  size_t head_stride[kLayouts] = {};
+  for (const auto& L : layers_)
+    for (const Weight* w : {&L.wk_b.first, &L.wv_b.first})
+      if (w->rows > 0)
+        head_stride[size_t(w->layout)] = std::max(head_stride[size_t(w->layout)], cpu::act_row_bytes(w->type, w->k));
+  for (size_t l = 0; l < kLayouts; ++l) {
+    head_act_[l].stride = (head_stride[l] + 63) & ~size_t(63);
+    head_act_[l].data.assign(T * size_t(local_heads_) * head_act_[l].stride, 0);
   }
   jobs_.clear();
   jobs_.reserve(size_t(2 * std::max(cfg_.n_expert, 2) + 4));
@@ -128,6 +151,16 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   }
 }
 
+void LlamaModel::silu_mul_parts(int64_t n, int64_t split, float* g, const float* u) {
+  const cpu::VecOps& ops = cpu::vec_ops();
+  if (split > 0 && split < n) {  // each TP rank's part on its own (vector body and tail as there)
+    ops.silu_mul(split, g, u, g);
+    ops.silu_mul(n - split, g + split, u + split, g + split);
+  } else {
+    ops.silu_mul(n, g, u, g);
+  }
+}
+
 void LlamaModel::rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const {
   for (int64_t t = 0; t < T; ++t) {
     const float* xr = x + t * n;
@@ -143,8 +176,7 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
                          float* logits) {
   const int64_t T = int64_t(batch.size());
   TF_CHECK(T > 0 && T <= max_tokens_, "batch of ", T, " tokens exceeds the reserved ", max_tokens_);
-  const int64_t E = cfg_.n_embd, H = local_heads_, HK = local_kv_heads_, D = cfg_.head_dim;
-  const int64_t QD = H * D, KD = HK * D, F = local_ff_;
+  const int64_t E = cfg_.n_embd, F = local_ff_;
   const int rd = cfg_.rope_dim;
   const cpu::VecOps& ops = cpu::vec_ops();
 
@@ -166,11 +198,10 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
   for (int il = 0; il < cfg_.n_layer; ++il) {
     const LayerWeights& L = layers_[size_t(il)];
     rmsnorm(x_.data(), L.attn_norm, xn_.data(), T, E);
-    project({{&L.wq, q_.data()}, {&L.wk, k_.data()}, {&L.wv, v_.data()}}, xn_.data(), T, E, pool);
-    store_qkv(batch, il, kv, pool);
-    attention(batch, il, kv, pool);
-    ksplit_matmul(L.wo, attn_.data(), T, QD, kv_split_ > 0 ? kv_split_ * (cfg_.n_head / cfg_.n_head_kv) * D : -1,
-                  xn_.data(), part_.data(), pool);
+    switch (cfg_.attention) {
+      case AttentionKind::Gqa: gqa_block(batch, il, kv, pool); break;
+      case AttentionKind::Mla: mla_block(batch, il, kv, pool); break;
+    }
     reduce(xn_.data(), T * E);  // TP: sum of the ranks' partial projections
     for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
 
@@ -184,7 +215,7 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
     project({{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}}, xn_.data(), T, E, pool);
     pool.parallel_for(T, 4, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t)
-        ops.silu_mul(F, gate_.data() + t * F, up_.data() + t * F, gate_.data() + t * F);
+        silu_mul_parts(F, f_split_, gate_.data() + t * F, up_.data() + t * F);
     });
     ksplit_matmul(L.w_down, gate_.data(), T, F, f_split_, xn_.data(), part_.data(), pool);
     reduce(xn_.data(), T * E);

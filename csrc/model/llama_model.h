@@ -62,6 +62,12 @@ struct LayerWeights {
   Weight wq, wk, wv, wo;
   const float *bq = nullptr, *bk = nullptr, *bv = nullptr;
   const float *q_norm = nullptr, *k_norm = nullptr;
+  // Multi-head latent attention (wo as above; wq when there is no q-LoRA).
+  Weight wq_a, wq_b, wkv_a;             // x -> q-LoRA, q-LoRA -> q, x -> latent + rope key
+  const float *q_a_norm = nullptr, *kv_a_norm = nullptr;
+  ExpertWeight wk_b;                    // per head: latent <- q_nope (rows kv_lora, k qk_nope)
+  ExpertWeight wv_b;                    // per head: latent -> value (rows v_head, k kv_lora)
+  bool wk_b_owned = false;              // W_kb is a float copy (from attn_kv_b), not in the file
   const float* ffn_norm = nullptr;
   Weight w_gate, w_up, w_down;          // dense FFN (absent in MoE layers)
   // MoE FFN
@@ -152,6 +158,7 @@ class LlamaModel {
   ExpertWeight load_experts(const std::string& name, int64_t k, int64_t rows, int64_t n_expert);
   // TP slicing (see the header comment).
   void shard_weights();
+  void shard_mla(LayerWeights& L, int64_t h0, int64_t h1);  // MLA's attention weights, heads [h0, h1)
   Weight slice_rows(const Weight& w, int64_t r0, int64_t r1);
   ExpertWeight slice_rows(const ExpertWeight& w, int64_t r0, int64_t r1);
   Weight slice_cols(const Weight& w, int64_t c0, int64_t c1);
@@ -182,10 +189,26 @@ class LlamaModel {
   void run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool);
   void moe_ffn(int layer, int64_t T, ThreadPool& pool);  // xn_ -> adds into x_
   void rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const;
+  // g = silu(g) * u over n values; split > 0: the two parts separately, as TP=2's ranks do.
+  void silu_mul_parts(int64_t n, int64_t split, float* g, const float* u);
   // q_/k_/v_ of a layer's batch: biases, q/k norms and RoPE applied, K/V rows into the cache.
   void store_qkv(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv, ThreadPool& pool);
-  void attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv,
-                 ThreadPool& pool);
+  // Attention over the pages for the whole batch: per token, local_heads_ query rows of
+  // head_dim at q + t * q_stride (query heads of one cache head consecutive, `group` per cache
+  // head); outputs of v_dim values at out + t * out_stride.
+  void attention(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv, const float* q, int64_t q_stride,
+                 int group, int head_dim, int v_dim, float* out, int64_t out_stride, ThreadPool& pool);
+  // The attention block of a layer: xn_ in, the output projection's (partial) sum in xn_.
+  void gqa_block(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv, ThreadPool& pool);
+  void mla_block(const std::vector<BatchToken>& batch, int layer, PagedKvCache& kv, ThreadPool& pool);
+  void load_gqa(LayerWeights& L, const std::string& prefix);
+  void load_mla(LayerWeights& L, const std::string& prefix);
+  // attn_kv_b of older deepseek2 files, as the per-head W_kb (transposed, in float) and W_vb views.
+  void split_kv_b(LayerWeights& L, const std::string& name);
+  // Per-head products: for each head h, y[t * ldy + h * hy + r] = W[h][r] . x[t * ldx + h * hx]
+  // over T tokens (x rows quantized once for all heads, every head's product in one section).
+  void head_project(const ExpertWeight& w, const float* x, int64_t T, int64_t ldx, int64_t hx, float* y,
+                    int64_t ldy, int64_t hy, ThreadPool& pool);
 
   std::shared_ptr<GgufFile> file_;
   ModelConfig cfg_;
@@ -214,7 +237,12 @@ class LlamaModel {
   int n_threads_ = 1;
   std::vector<float> x_, xn_, q_, k_, v_, attn_, gate_, up_, rope_cs_, ffn_out_, ffn_out2_, part_,
       logits_local_;
+  // MLA: q-LoRA rows, latent + rope key rows, absorbed queries [T][H][latent + rope], attention
+  // output in latent space [T][H][latent].
+  std::vector<float> q_lora_, latent_, q_abs_, o_latent_;
+  std::vector<std::vector<float>> owned_f32_;  // W_kb transposed from attn_kv_b
   ActBuf act_[kLayouts];
+  ActBuf head_act_[kLayouts];  // per-head rows (T x heads) of the MLA products
   // MoE scratch: router logits, routing, per-expert token lists, gathered activations.
   std::vector<float> router_logits_, route_w_, route_scratch_, exp_gate_, exp_up_, exp_out_, exp_out2_;
   std::vector<int32_t> route_ids_, exp_count_, exp_offset_, exp_rows_;  // exp_rows_: token of each slot

@@ -93,16 +93,37 @@ std::string utf8_or_replace(const std::string& s) {
 // One row per architecture (general.architecture): what the forward pass does differently.
 // A new architecture is a row here (plus its blocks, if it needs a kind the forward lacks).
 const ArchTraits kArchitectures[] = {
-    // name       covers             rope_neox qkv_bias qk_norm norm_topk  unsupported_reason
-    {"llama",     "incl. mixtral",   false,    false,   false,  true,      ""},
-    {"qwen2",     "",                true,     true,    false,  false,     ""},
-    {"qwen2moe",  "",                true,     true,    false,  false,     ""},
-    {"qwen3",     "",                true,     false,   true,   false,     ""},
-    {"qwen3moe",  "",                true,     false,   true,   true,      ""},
-    {"deepseek2", "",                true,     false,   false,  false,
-     "needs multi-head latent attention (MLA), which TensorFold does not implement yet (its expert routing "
-     "is supported)"},
+    // name       covers            attention           rope_neox qkv_bias qk_norm norm_topk
+    {"llama",     "incl. mixtral",  AttentionKind::Gqa, false,    false,   false,  true},
+    {"qwen2",     "",               AttentionKind::Gqa, true,     true,    false,  false},
+    {"qwen2moe",  "",               AttentionKind::Gqa, true,     true,    false,  false},
+    {"qwen3",     "",               AttentionKind::Gqa, true,     false,   true,   false},
+    {"qwen3moe",  "",               AttentionKind::Gqa, true,     false,   true,   true},
+    {"deepseek2", "DeepSeek V2/V3/R1, Kimi-K2, Moonlight",
+                                    AttentionKind::Mla, false,    false,   false,  false},
 };
+
+
+// deepseek2's attention sizes. llama.cpp's current files (attn_k_b/attn_v_b) give the cached
+// row as key_length/value_length (latent + rope / latent) and the per-head sizes as the *_mla
+// keys; older files (attn_kv_b) have only key_length/value_length, then per head.
+void read_mla_geometry(const GgufFile& f, ModelConfig& c) {
+  const std::string& path = f.display_path();
+  auto key = [&](const char* k) { return c.arch + "." + k; };
+  c.kv_lora_rank = int_key(f, key("attention.kv_lora_rank"), 1, kMaxLatentRow);
+  const bool split = f.get_int(key("attention.key_length_mla"), -1) != -1;
+  c.head_dim = int_key(f, key(split ? "attention.key_length_mla" : "attention.key_length"), 2, 4096);
+  c.v_head_dim = int_key(f, key(split ? "attention.value_length_mla" : "attention.value_length"), c.head_dim, 1, 4096);
+  // q-LoRA: from its key, or (files that omit it, as V2-Lite's do) from the tensor itself.
+  int64_t q_lora = f.get_int(key("attention.q_lora_rank"), 0);
+  const GgufTensorInfo* qa = f.find_tensor("blk.0.attn_q_a.weight");
+  if (q_lora == 0 && qa && qa->ne.size() == 2) q_lora = qa->ne[1];
+  c.q_lora_rank = int(int_in(f, key("attention.q_lora_rank"), q_lora, 0, 1 << 16));
+  if (c.n_head > kMaxMlaHeads)
+    fail(ErrorKind::Unsupported, path, ": ", c.n_head, " attention heads; multi-head latent attention supports at most ",
+         kMaxMlaHeads);
+  c.n_head_kv = 1;  // every head reads the one latent row
+}
 
 }  // namespace
 
@@ -115,7 +136,6 @@ const ArchTraits* find_arch(const std::string& name) {
 std::string supported_arch_names() {
   std::string out;
   for (const ArchTraits& a : kArchitectures) {
-    if (!a.unsupported_reason.empty()) continue;
     if (!out.empty()) out += ", ";
     out += a.name;
     if (*a.covers) out += std::string(" (") + a.covers + ")";
@@ -133,8 +153,6 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   if (!traits)
     fail(ErrorKind::Unsupported, path, ": architecture '", printable(a),
          "' (general.architecture) is not supported (supported: ", supported_arch_names(), ")");
-  if (!traits->unsupported_reason.empty())
-    fail(ErrorKind::Unsupported, path, ": architecture '", a, "' ", traits->unsupported_reason);
   c.rope_neox = traits->rope_neox;
   c.qkv_bias = traits->qkv_bias;
   c.qk_norm = traits->qk_norm;
@@ -148,10 +166,15 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     fail(ErrorKind::InvalidInput, path, ": head_count ", c.n_head,
          " is not a multiple of head_count_kv ", c.n_head_kv);
   const int64_t default_hd = c.n_embd / c.n_head;
-  c.head_dim = int_key(f, key("attention.key_length"), default_hd, 1, 512);
-  const int64_t vdim = f.get_int(key("attention.value_length"), c.head_dim);
-  if (vdim != c.head_dim)
-    fail(ErrorKind::Unsupported, path, ": value_length != key_length is not supported");
+  c.attention = traits->attention;
+  if (c.attention == AttentionKind::Gqa) {
+    c.head_dim = int_key(f, key("attention.key_length"), default_hd, 1, 512);
+    const int64_t vdim = f.get_int(key("attention.value_length"), c.head_dim);
+    if (vdim != c.head_dim)
+      fail(ErrorKind::Unsupported, path, ": value_length != key_length is not supported");
+  } else {
+    read_mla_geometry(f, c);
+  }
   c.n_expert = int_key(f, key("expert_count"), 0, 0, 4096);
   // MoE models may have no dense FFN at all; feed_forward_length then only describes
   // leading dense layers (if any).
@@ -162,6 +185,8 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     c.n_expert_used = int_key(f, key("expert_used_count"), 1, c.n_expert);
     c.n_ff_exp = int_key(f, key("expert_feed_forward_length"), c.n_ff, 1, 1 << 24);
     c.n_ff_shexp = int_key(f, key("expert_shared_feed_forward_length"), 0, 0, 1 << 24);
+    if (c.n_ff_shexp == 0)  // deepseek2: shared experts of the routed width
+      c.n_ff_shexp = int(int64_t(int_key(f, key("expert_shared_count"), 0, 0, 64)) * c.n_ff_exp);
     c.router.n_expert = c.n_expert;
     c.router.n_used = c.n_expert_used;
     const int64_t gating = f.get_int(key("expert_gating_func"), 1);
@@ -183,8 +208,14 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   c.rms_eps = float_key(f, key("attention.layer_norm_rms_epsilon"), 1e-6, 1e-38, 1.0);
   c.rope_base = float_key(f, key("rope.freq_base"), 10000.0, 1e-38, 1e12);
   c.rope_dim = int_key(f, key("rope.dimension_count"), c.head_dim, 1, 4096);
-  if (c.rope_dim > c.head_dim || c.rope_dim % 2)
-    fail(ErrorKind::InvalidInput, path, ": rope.dimension_count ", c.rope_dim, " is invalid for head_dim ", c.head_dim);
+  if (c.rope_dim > c.head_dim || c.rope_dim % 2 ||
+      (c.attention == AttentionKind::Mla && (c.rope_dim >= c.head_dim || c.kv_lora_rank + c.rope_dim > kMaxLatentRow)))
+    fail(ErrorKind::InvalidInput, path, ": rope.dimension_count ", c.rope_dim, " is invalid for head_dim ", c.head_dim,
+         c.attention == AttentionKind::Mla ? " (MLA: the rope part must be shorter than the key, and kv_lora_rank + "
+                                             "rope at most " + std::to_string(kMaxLatentRow) + ")"
+                                           : std::string());
+  c.qk_nope_dim = c.head_dim - c.rope_dim;
+  c.attn_scale = 1.0f / std::sqrt(float(c.head_dim));
   const std::string scaling = f.get_string(key("rope.scaling.type"), "none");
   if (scaling == "linear" || scaling == "yarn") {
     const float factor = float_key(f, key("rope.scaling.factor"), 1.0, 1e-6, 1e6);
@@ -206,6 +237,15 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     const float attn = float_key(f, key("rope.scaling.attn_factor"), 1.0, 1e-6, 1e6) *
                        float_key(f, key("rope.scaling.yarn_attn_factor"), 1.0, 1e-6, 1e6);
     set_yarn(c, orig_ctx, beta_fast, beta_slow, ext, attn);
+    if (c.attention == AttentionKind::Mla) {
+      // deepseek2 (as llama.cpp and the reference model run it): the rotation keeps the
+      // attention factor only, and the YaRN temperature goes into the softmax scale as mscale^2
+      // with mscale = attn_factor (1 + yarn_log_multiplier ln(factor)).
+      const float log_mul = float_key(f, key("rope.scaling.yarn_log_multiplier"), 0.0, 0.0, 1e3);
+      const float mscale = attn * (1.0f + log_mul * std::log(1.0f / c.rope_freq_scale));
+      c.rope_mscale = attn;
+      c.attn_scale *= mscale * mscale;
+    }
   }
   if (f.find_tensor("rope_freqs.weight"))
     fail(ErrorKind::Unsupported, path, ": per-dimension rope frequency factors (rope_freqs) are not supported yet");
@@ -240,6 +280,9 @@ std::string ModelConfig::summary() const {
   if (rope_yarn || rope_freq_scale != 1.f) os << 1.0f / rope_freq_scale;
   os
      << (tied_output ? ", tied output" : "");
+  if (attention == AttentionKind::Mla)
+    os << ", MLA (kv_lora " << kv_lora_rank << ", q_lora " << q_lora_rank << ", nope " << qk_nope_dim << " + rope "
+       << rope_dim << ", v " << v_head_dim << ")";
   if (is_moe())
     os << ", " << n_expert << " experts (top-" << n_expert_used << ", width " << n_ff_exp << ")"
        << (n_ff_shexp ? ", shared expert" : "");

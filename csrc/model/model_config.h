@@ -10,17 +10,27 @@
 
 namespace tf {
 
+// The attention block a layer runs (and so the cache rows it keeps).
+enum class AttentionKind {
+  Gqa,  // grouped-query attention: per KV head a K and a V row per position
+  Mla,  // multi-head latent attention: one latent + rope-key row per position, absorbed
+};
+
 // What distinguishes an architecture in the forward pass (one row per general.architecture).
 struct ArchTraits {
   const char* name;
   const char* covers;              // for error messages: what else the name covers
+  AttentionKind attention;
   bool rope_neox;                  // rotate halves (NeoX) instead of adjacent pairs
   bool qkv_bias;                   // q/k/v projections have biases
   bool qk_norm;                    // RMSNorm over each q/k head
   bool norm_topk;                  // default of expert_weights_norm
-  std::string unsupported_reason;  // non-empty: recognised but refused, with this reason
 };
-const ArchTraits* find_arch(const std::string& name);  // nullptr: unknown
+const ArchTraits* find_arch(const std::string& name);
+// Limits of multi-head latent attention: the cached row (latent + rope key) and the heads
+// that read it together (the attention kernel's).
+constexpr int kMaxLatentRow = 1024;
+constexpr int kMaxMlaHeads = 128;  // nullptr: unknown
 std::string supported_arch_names();
 
 struct ModelConfig {
@@ -30,7 +40,18 @@ struct ModelConfig {
   int n_layer = 0;
   int n_head = 0;
   int n_head_kv = 0;
-  int head_dim = 0;          // per head, for q/k/v
+  int head_dim = 0;          // per head, for q/k/v (MLA: q and expanded k, nope + rope)
+  AttentionKind attention = AttentionKind::Gqa;
+  // Multi-head latent attention (deepseek2). q = W_q x, or W_qb norm(W_qa x) with a q-LoRA
+  // (q_lora_rank > 0); per token one latent c = norm(W_kva x)[:kv_lora_rank] and one rope key
+  // shared by all heads; head h's key/value are W_kb[h] c (qk_nope values, then the rope key)
+  // and W_vb[h] c (v_head_dim values).
+  int q_lora_rank = 0;
+  int kv_lora_rank = 0;
+  int qk_nope_dim = 0;       // = head_dim - rope_dim
+  int v_head_dim = 0;        // per head, after W_vb
+  // Softmax scale of q.k: 1/sqrt(head_dim), times deepseek2's YaRN mscale^2.
+  float attn_scale = 1.f;
   int n_ff = 0;
   int64_t n_vocab = 0;
   int64_t n_ctx_train = 0;
@@ -60,8 +81,12 @@ struct ModelConfig {
 
   bool is_moe() const { return n_expert > 0; }
 
-  // The cache rows of the whole model's attention per position (one rank's: its share of heads).
-  KvLayout kv_layout(int kv_heads) const { return {kv_heads, head_dim, head_dim}; }
+  // The cache rows of the whole model's attention per position (one rank's: its share of heads;
+  // MLA keeps one latent + rope-key row, replicated on every rank, and no V rows).
+  KvLayout kv_layout(int kv_heads) const {
+    if (attention == AttentionKind::Mla) return {1, kv_lora_rank + rope_dim, 0};
+    return {kv_heads, head_dim, head_dim};
+  }
   KvLayout kv_layout() const { return kv_layout(n_head_kv); }
 
   static ModelConfig from_gguf(const GgufFile& f);

@@ -65,9 +65,16 @@ ExpertWeight LlamaModel::slice_rows(const ExpertWeight& w, int64_t r0, int64_t r
 ExpertWeight LlamaModel::slice_experts(const ExpertWeight& w, int64_t e0, int64_t e1) {
   ExpertWeight s = w;
   s.n_expert = e1 - e0;
-  const size_t n = w.expert_stride * size_t(s.n_expert);
-  owned_weights_.emplace_back(new uint8_t[n]);
-  read_at(w.first.data + size_t(e0) * w.expert_stride, owned_weights_.back().get(), n);
+  // The matrices packed (a view may have gaps between them: MLA's W_vb inside attn_kv_b).
+  const size_t per = w.first.row_stride * size_t(w.first.rows);
+  s.expert_stride = per;
+  owned_weights_.emplace_back(new uint8_t[per * size_t(s.n_expert)]);
+  if (per == w.expert_stride) {
+    read_at(w.first.data + size_t(e0) * w.expert_stride, owned_weights_.back().get(), per * size_t(s.n_expert));
+  } else {
+    for (int64_t e = e0; e < e1; ++e)
+      read_at(w.first.data + size_t(e) * w.expert_stride, owned_weights_.back().get() + size_t(e - e0) * per, per);
+  }
   s.first.data = owned_weights_.back().get();
   return s;  // expert e of the model is local expert e - e0
 }
@@ -107,12 +114,17 @@ void LlamaModel::plan_splits() {
   // bit-identical results. -1: no block-aligned split exists (TP=2 is then refused).
   // A split point must be a block boundary of every weight it cuts, whatever their types
   // (32 and 256 mixed, layer by layer): a multiple of all their block sizes.
-  const int64_t H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim, g = H / HK;
+  // Attention splits by cache head (GQA: a KV head and its query heads) or, for MLA, whose
+  // one latent row every head reads, by query head; the output projection's input follows.
+  const bool mla = cfg_.attention == AttentionKind::Mla;
+  const int64_t units = mla ? cfg_.n_head : cfg_.n_head_kv;
+  const int64_t unit_width = mla ? cfg_.v_head_dim : int64_t(cfg_.n_head / cfg_.n_head_kv) * cfg_.head_dim;
   int64_t align = 1;
   for (const auto& L : layers_) align = std::lcm(align, block_of(L.wo));
   kv_split_ = -1;
-  for (int64_t c = 1; c < HK; ++c)
-    if ((c * g * D) % align == 0 && (kv_split_ < 0 || std::llabs(2 * c - HK) < std::llabs(2 * kv_split_ - HK)))
+  for (int64_t c = 1; c < units; ++c)
+    if ((c * unit_width) % align == 0 &&
+        (kv_split_ < 0 || std::llabs(2 * c - units) < std::llabs(2 * kv_split_ - units)))
       kv_split_ = c;
   auto point = [](int64_t n, int64_t al) {
     int64_t best = -1;
@@ -154,11 +166,13 @@ void LlamaModel::shard_weights() {
            " across 2 ranks on the weight format's block boundaries; use TP=1 for this model");
     return c;
   };
-  const int64_t kv0 = need(kv_split_, "the KV heads");
-  const int64_t k0 = r == 0 ? 0 : kv0, k1 = r == 0 ? kv0 : HK;
-  local_kv_heads_ = k1 - k0;
-  local_heads_ = local_kv_heads_ * g;
-  const int64_t q0 = k0 * g;
+  const bool mla = cfg_.attention == AttentionKind::Mla;
+  const int64_t kv0 = need(kv_split_, mla ? "the attention heads" : "the KV heads");
+  const int64_t units = mla ? cfg_.n_head : HK;  // what kv_split_ counts
+  const int64_t k0 = r == 0 ? 0 : kv0, k1 = r == 0 ? kv0 : units;
+  local_kv_heads_ = mla ? 1 : k1 - k0;
+  local_heads_ = mla ? k1 - k0 : local_kv_heads_ * g;
+  const int64_t q0 = mla ? k0 : k0 * g;
   auto range = [&](int64_t n, int64_t c, int64_t& a, int64_t& b) {
     a = r == 0 ? 0 : c;
     b = r == 0 ? c : n;
@@ -184,16 +198,20 @@ void LlamaModel::shard_weights() {
   count(output_);
   for (size_t il = 0; il < layers_.size(); ++il) {
     LayerWeights& L = layers_[il];
-    L.wq = slice_rows(L.wq, q0 * D, (q0 + local_heads_) * D);
-    L.wk = slice_rows(L.wk, k0 * D, k1 * D);
-    L.wv = slice_rows(L.wv, k0 * D, k1 * D);
-    if (L.bq) {
-      L.bq += q0 * D;
-      L.bk += k0 * D;
-      L.bv += k0 * D;
+    if (mla) {
+      shard_mla(L, q0, q0 + local_heads_);
+    } else {
+      L.wq = slice_rows(L.wq, q0 * D, (q0 + local_heads_) * D);
+      L.wk = slice_rows(L.wk, k0 * D, k1 * D);
+      L.wv = slice_rows(L.wv, k0 * D, k1 * D);
+      if (L.bq) {
+        L.bq += q0 * D;
+        L.bk += k0 * D;
+        L.bv += k0 * D;
+      }
+      L.wo = slice_cols(L.wo, q0 * D, (q0 + local_heads_) * D);
+      count(L.wq); count(L.wk); count(L.wv); count(L.wo);
     }
-    L.wo = slice_cols(L.wo, q0 * D, (q0 + local_heads_) * D);
-    count(L.wq); count(L.wk); count(L.wv); count(L.wo);
     if (L.moe) {
       if (expert_parallel_) {
         L.gate_exps = slice_experts(L.gate_exps, exp_lo_, exp_hi_);
@@ -226,6 +244,33 @@ void LlamaModel::shard_weights() {
   kv_split_ = f_split_ = fe_split_ = -1;
   std::fill(fs_split_.begin(), fs_split_.end(), -1);
   emb_row_.assign(tok_embd_.row_stride, 0);
+}
+
+void LlamaModel::shard_mla(LayerWeights& L, int64_t h0, int64_t h1) {
+  // This rank's query heads [h0, h1): their rows of W_q / W_qb, their W_kb and W_vb, their
+  // columns of W_o. The q-LoRA and latent projections are replicated (both ranks compute the
+  // latent and keep the whole latent cache: it is one row per token for all heads).
+  const int64_t D = cfg_.head_dim, V = cfg_.v_head_dim;
+  auto count = [&](const Weight& w) { weight_bytes_ += w.row_stride * uint64_t(w.rows); };
+  if (L.wq_b.rows > 0) {
+    L.wq_a = slice_rows(L.wq_a, 0, L.wq_a.rows);
+    L.wq_b = slice_rows(L.wq_b, h0 * D, h1 * D);
+    count(L.wq_a); count(L.wq_b);
+  } else {
+    L.wq = slice_rows(L.wq, h0 * D, h1 * D);
+    count(L.wq);
+  }
+  L.wkv_a = slice_rows(L.wkv_a, 0, L.wkv_a.rows);
+  if (L.wk_b_owned) {  // a float copy made at load: keep this rank's heads' part of it
+    L.wk_b.first.data += size_t(h0) * L.wk_b.expert_stride;
+    L.wk_b.n_expert = h1 - h0;
+  } else {
+    L.wk_b = slice_experts(L.wk_b, h0, h1);
+  }
+  L.wv_b = slice_experts(L.wv_b, h0, h1);
+  weight_bytes_ += (L.wk_b.expert_stride + L.wv_b.expert_stride) * uint64_t(h1 - h0);
+  L.wo = slice_cols(L.wo, h0 * V, h1 * V);
+  count(L.wkv_a); count(L.wo);
 }
 
 }  // namespace tf

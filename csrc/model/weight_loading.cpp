@@ -123,12 +123,91 @@ const float* LlamaModel::load_vector(const std::string& name, int64_t n, bool re
   return owned_vectors_.back().data();
 }
 
+void LlamaModel::load_gqa(LayerWeights& L, const std::string& p) {
+  const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim;
+  L.wq = load_weight(p + "attn_q.weight", E, H * D);
+  L.wk = load_weight(p + "attn_k.weight", E, HK * D);
+  L.wv = load_weight(p + "attn_v.weight", E, HK * D);
+  L.wo = load_weight(p + "attn_output.weight", H * D, E);
+  if (cfg_.qkv_bias) {
+    L.bq = load_vector(p + "attn_q.bias", H * D);
+    L.bk = load_vector(p + "attn_k.bias", HK * D);
+    L.bv = load_vector(p + "attn_v.bias", HK * D);
+  }
+  if (cfg_.qk_norm) {
+    L.q_norm = load_vector(p + "attn_q_norm.weight", D);
+    L.k_norm = load_vector(p + "attn_k_norm.weight", D);
+  }
+}
+
+void LlamaModel::load_mla(LayerWeights& L, const std::string& p) {
+  const int64_t E = cfg_.n_embd, H = cfg_.n_head, D = cfg_.head_dim, C = cfg_.kv_lora_rank, R = cfg_.rope_dim,
+                N = cfg_.qk_nope_dim, V = cfg_.v_head_dim, QL = cfg_.q_lora_rank;
+  if (QL > 0) {
+    L.wq_a = load_weight(p + "attn_q_a.weight", E, QL);
+    L.q_a_norm = load_vector(p + "attn_q_a_norm.weight", QL);
+    L.wq_b = load_weight(p + "attn_q_b.weight", QL, H * D);
+  } else {
+    L.wq = load_weight(p + "attn_q.weight", E, H * D);
+  }
+  L.wkv_a = load_weight(p + "attn_kv_a_mqa.weight", E, C + R);
+  L.kv_a_norm = load_vector(p + "attn_kv_a_norm.weight", C);
+  if (file_->find_tensor(p + "attn_k_b.weight")) {
+    L.wk_b = load_experts(p + "attn_k_b.weight", N, C, H);
+    L.wv_b = load_experts(p + "attn_v_b.weight", C, V, H);
+  } else if (file_->find_tensor(p + "attn_kv_b.weight")) {
+    split_kv_b(L, p + "attn_kv_b.weight");
+  } else {
+    fail(ErrorKind::InvalidInput, file_->display_path(), ": tensors ", p, "attn_k_b.weight/attn_v_b.weight (or ", p,
+         "attn_kv_b.weight) are missing");
+  }
+  L.wo = load_weight(p + "attn_output.weight", H * V, E);
+}
+
+void LlamaModel::split_kv_b(LayerWeights& L, const std::string& name) {
+  // attn_kv_b: per head h, rows h (N + V) .. + N map the latent to the key's nope part, the next
+  // V rows to the value. W_vb is a view of the value rows; W_kb is needed the other way round
+  // (rows: latent, k: nope), so it is transposed into a float copy at load.
+  const int64_t H = cfg_.n_head, C = cfg_.kv_lora_rank, N = cfg_.qk_nope_dim, V = cfg_.v_head_dim;
+  const Weight kvb = load_weight(name, C, H * (N + V));
+  L.wv_b.first = kvb;
+  L.wv_b.first.rows = V;
+  L.wv_b.first.data = kvb.data + size_t(N) * kvb.row_stride;
+  L.wv_b.n_expert = H;
+  L.wv_b.expert_stride = size_t(N + V) * kvb.row_stride;
+  const auto dequant = dequant_of(*file_, *file_->find_tensor(name));
+  owned_f32_.emplace_back(size_t(H * C * N));
+  float* wkb = owned_f32_.back().data();
+  std::vector<float> row(static_cast<size_t>(C));
+  std::vector<uint8_t> raw(kvb.row_stride);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t j = 0; j < N; ++j) {
+      const uint8_t* src = kvb.data + size_t(h * (N + V) + j) * kvb.row_stride;
+      if (tp_.size > 1) {  // under TP the mapping stays untouched
+        read_at(src, raw.data(), raw.size(), false);
+        src = raw.data();
+      }
+      dequant(src, row.data(), C);
+      for (int64_t c = 0; c < C; ++c) wkb[(h * C + c) * N + j] = row[size_t(c)];
+    }
+  Weight& k = L.wk_b.first;
+  k.type = GgmlType::F32;
+  k.layout = cpu::act_layout(k.type);
+  k.k = N;
+  k.rows = C;
+  k.data = reinterpret_cast<const uint8_t*>(wkb);
+  k.row_stride = size_t(N) * sizeof(float);
+  L.wk_b.n_expert = H;
+  L.wk_b.expert_stride = size_t(C * N) * sizeof(float);
+  L.wk_b_owned = true;
+}
+
 LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file_(std::move(file)), tp_(tp) {
   cfg_ = ModelConfig::from_gguf(*file_);
   TF_CHECK(tp_.size == 1 || (tp_.size == 2 && tp_.group), "tensor parallel size must be 1 or 2 (with a group)");
   TF_CHECK(tp_.rank >= 0 && tp_.rank < tp_.size, "TP rank ", tp_.rank, " is out of range");
   if (tp_.size > 1) file_->advise_random();  // the mappings serve only the header now
-  const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv, D = cfg_.head_dim;
+  const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv;
   // The embedding is only read row by row (reference dequant) unless it is also the output.
   tok_embd_ = load_weight("token_embd.weight", E, cfg_.n_vocab, true, cfg_.tied_output);
   emb_dequant_ = dequant_of(*file_, *file_->find_tensor("token_embd.weight"));
@@ -140,18 +219,9 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
     const std::string p = "blk." + std::to_string(il) + ".";
     LayerWeights& L = layers_[size_t(il)];
     L.attn_norm = load_vector(p + "attn_norm.weight", E);
-    L.wq = load_weight(p + "attn_q.weight", E, H * D);
-    L.wk = load_weight(p + "attn_k.weight", E, HK * D);
-    L.wv = load_weight(p + "attn_v.weight", E, HK * D);
-    L.wo = load_weight(p + "attn_output.weight", H * D, E);
-    if (cfg_.qkv_bias) {
-      L.bq = load_vector(p + "attn_q.bias", H * D);
-      L.bk = load_vector(p + "attn_k.bias", HK * D);
-      L.bv = load_vector(p + "attn_v.bias", HK * D);
-    }
-    if (cfg_.qk_norm) {
-      L.q_norm = load_vector(p + "attn_q_norm.weight", D);
-      L.k_norm = load_vector(p + "attn_k_norm.weight", D);
+    switch (cfg_.attention) {
+      case AttentionKind::Gqa: load_gqa(L, p); break;
+      case AttentionKind::Mla: load_mla(L, p); break;
     }
     L.ffn_norm = load_vector(p + "ffn_norm.weight", E);
     L.moe = cfg_.is_moe() && file_->find_tensor(p + "ffn_gate_inp.weight") != nullptr;

@@ -69,7 +69,7 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   run_jobs(jobs_, pool);
   const cpu::VecOps& ops = cpu::vec_ops();
   pool.parallel_for(R, 4, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) ops.silu_mul(FE, exp_gate_.data() + r * FE, exp_up_.data() + r * FE, exp_gate_.data() + r * FE);
+    for (int64_t r = b; r < e; ++r) silu_mul_parts(FE, fe_split_, exp_gate_.data() + r * FE, exp_up_.data() + r * FE);
   });
   // 4. Down projections and the weighted combine (slot order: fixed), per split part: the
   // partial sums TP ranks hold, added as the All-Reduce adds them.
@@ -125,8 +125,8 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   if (L.gate_shexp.rows > 0) {
     const int64_t FS = L.gate_shexp.rows;
     project({{&L.gate_shexp, gate_.data()}, {&L.up_shexp, up_.data()}}, xn_.data(), T, E, pool);
-    for (int64_t t = 0; t < T; ++t) ops.silu_mul(FS, gate_.data() + t * FS, up_.data() + t * FS, gate_.data() + t * FS);
     const int64_t split = fs_split_[size_t(layer)];
+    for (int64_t t = 0; t < T; ++t) silu_mul_parts(FS, split, gate_.data() + t * FS, up_.data() + t * FS);
     for (int part = 0; part < (two ? 2 : 1); ++part) {
       const int64_t c0 = part == 0 || split <= 0 ? 0 : split;
       const int64_t c1 = two && part == 0 && split > 0 ? split : FS;

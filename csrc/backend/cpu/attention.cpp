@@ -11,7 +11,7 @@
 namespace tf::cpu {
 
 namespace {
-constexpr int kMaxHeadDim = 512;
+constexpr int kMaxHeadDim = 1024;  // MLA: a 512 latent + 64 rope row
 constexpr int kMaxGroup = 128;  // query heads per KV head (MLA: all heads share the latent)
 
 // One query row's online-softmax step over n scores of a tile (already scaled): when the tile
