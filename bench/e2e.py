@@ -61,7 +61,8 @@ def measure_tensorfold(model: str, threads: int, n_prompt: int, n_gen: int, reps
     pp = [run_prefill() for _ in range(reps)]
     tg = [run_decode() for _ in range(reps)]
     return {"pp": statistics.mean(pp), "pp_sd": statistics.pstdev(pp),
-            "tg": statistics.mean(tg), "tg_sd": statistics.pstdev(tg)}
+            "tg": statistics.mean(tg), "tg_sd": statistics.pstdev(tg),
+            "kv_bytes_per_token": eng.stats().get("kv_bytes_per_token")}
 
 
 def measure_startup(model: str, threads: int) -> float:

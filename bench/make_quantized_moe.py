@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
-"""Quantize the synthetic F16 MoE with llama.cpp's own quantizer, for side-by-side benchmarks.
+"""Quantize a synthetic F16 MoE with llama.cpp's own quantizer, for side-by-side benchmarks.
 
     LLAMA_BIN=/tmp/dl/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin
     python bench/make_quantized_moe.py --llama-bin $LLAMA_BIN                  # all of the below
     python bench/make_quantized_moe.py --llama-bin $LLAMA_BIN --types Q2_K,IQ2_XXS --out-dir /tmp/moe
+    python bench/make_quantized_moe.py --llama-bin $LLAMA_BIN --model deepseek2 --types Q2_K,Q4_K_M \\
+        --out-dir /tmp/dsb                                                      # synth-ds2-*.gguf
+
+--model picks the generator: qwen3moe (default; bench/make_synthetic_moe.py, files synth-moe-*)
+or deepseek2 (bench/make_synthetic_deepseek2.py, DeepSeek-V3-like MLA + grouped sigmoid-routed
+experts, files synth-ds2-*).
 
 1. Unless --f16 names an existing file, writes OUT_DIR/synth-moe-f16.gguf with
    `bench/make_synthetic_moe.py --outtype f16` (default 4 GB: 6 Qwen3-30B-A3B-like layers;
-   --size-gb or --gen-args change it).
+   --size-gb or --gen-args change it), or with --model deepseek2 OUT_DIR/synth-ds2-f16.gguf with
+   `bench/make_synthetic_deepseek2.py` (default 4 layers, 1.6 GB; --size-gb picks the layers,
+   --gen-args "--layers 8 --experts 128 ..." any other shape).
 2. Makes an importance matrix with `llama-imatrix` on a short text (--text, default
    tests/fixtures/quant/calibration.txt, 128-token chunks): llama.cpp refuses IQ2_XXS/IQ2_XS/
    IQ1_* without one, and community low-bit files are made with one.
@@ -17,6 +25,7 @@
    kept unless --force.
 
 Then: python bench/e2e_formats.py --llama-bench $LLAMA_BIN/llama-bench OUT_DIR/synth-moe-*.gguf
+(or OUT_DIR/synth-ds2-*.gguf, with --depth 0 4096 ... for decode at a given context).
 Files go to /tmp (several GB), never into the repository. IQ2_XXS/IQ3_XXS quantization is slow
 (minutes per GB of output on 2 threads).
 """
@@ -31,6 +40,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# --model: (generator script, file stem, default --size-gb for the generator or None to leave it
+# to the generator's own default shape)
+MODELS = {"qwen3moe": ("make_synthetic_moe.py", "synth-moe", 4.0),
+          "deepseek2": ("make_synthetic_deepseek2.py", "synth-ds2", None)}
 DEFAULT_TYPES = ["Q2_K", "Q4_K_M", "IQ2_XXS", "IQ3_XXS", "IQ4_XS"]
 DEFAULT_TEXT = HERE.parent / "tests" / "fixtures" / "quant" / "calibration.txt"
 
@@ -60,9 +73,16 @@ def main() -> int:
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN"),
                     help="folder holding llama-quantize and llama-imatrix (env LLAMA_BIN)")
     ap.add_argument("--out-dir", default="/tmp", help="where the GGUFs go (default /tmp)")
-    ap.add_argument("--f16", default=None, help="existing F16 GGUF to quantize (default: generate OUT_DIR/synth-moe-f16.gguf)")
-    ap.add_argument("--size-gb", type=float, default=4.0, help="size of the generated F16 file (default 4)")
-    ap.add_argument("--gen-args", default="", help="extra arguments for make_synthetic_moe.py (quoted)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen3moe",
+                    help="generator of the F16 file: qwen3moe (make_synthetic_moe.py, default) or "
+                         "deepseek2 (make_synthetic_deepseek2.py)")
+    ap.add_argument("--f16", default=None,
+                    help="existing F16 GGUF to quantize (default: generate OUT_DIR/synth-moe-f16.gguf, "
+                         "or synth-ds2-f16.gguf with --model deepseek2)")
+    ap.add_argument("--size-gb", type=float, default=None,
+                    help="size of the generated F16 file (default 4 for qwen3moe; deepseek2: its default "
+                         "4 layers, 1.6 GB)")
+    ap.add_argument("--gen-args", default="", help="extra arguments for the generator script (quoted)")
     ap.add_argument("--types", default=",".join(DEFAULT_TYPES), help="comma-separated llama-quantize types")
     ap.add_argument("--text", default=str(DEFAULT_TEXT), help="calibration text for llama-imatrix")
     ap.add_argument("--chunk", type=int, default=128, help="llama-imatrix context per chunk")
@@ -81,13 +101,16 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     types = [t.strip() for t in a.types.split(",") if t.strip()]
 
-    f16 = Path(a.f16) if a.f16 else out / "synth-moe-f16.gguf"
+    script, stem, default_gb = MODELS[a.model]
+    f16 = Path(a.f16) if a.f16 else out / f"{stem}-f16.gguf"
     if not f16.exists():
         if a.f16:
             ap.error(f"{f16} does not exist")
         print(f"[1/3] generating {f16}", flush=True)
-        subprocess.run([sys.executable, str(HERE / "make_synthetic_moe.py"), "-o", str(f16), "--outtype", "f16",
-                        "--size-gb", str(a.size_gb), "--threads", str(a.threads), *shlex.split(a.gen_args)],
+        size_gb = a.size_gb if a.size_gb is not None else default_gb
+        subprocess.run([sys.executable, str(HERE / script), "-o", str(f16), "--outtype", "f16",
+                        *(["--size-gb", str(size_gb)] if size_gb is not None else []),
+                        "--threads", str(a.threads), *shlex.split(a.gen_args)],
                        check=True)
     else:
         print(f"[1/3] using {f16} ({f16.stat().st_size / 1e9:.2f} GB)", flush=True)

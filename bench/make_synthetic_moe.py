@@ -205,6 +205,63 @@ class RowSource:
         return self.pools[key][self.rng.integers(0, self.pool_rows, size=count)]
 
 
+def tensor_nbytes(s: list[int], t: int) -> int:
+    return row_bytes(t, s[0]) * int(np.prod(s[1:], dtype=np.int64))
+
+
+def type_summary(specs) -> str:
+    """'F16 1234 MiB, F32 5 MiB' over (name, shape, type) specs, largest first."""
+    by_type: dict[str, int] = {}
+    for _, s, t in specs:
+        by_type[TYPE_NAME[t]] = by_type.get(TYPE_NAME[t], 0) + tensor_nbytes(s, t)
+    return ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
+
+
+def default_f32(name: str, s: list[int], rng: np.random.Generator) -> np.ndarray:
+    """F32 tensor values: 1-D norm weights 1 + W_STD N(0,1), anything else (router) W_STD N(0,1)."""
+    n = int(np.prod(s, dtype=np.int64))
+    if len(s) == 1:
+        return (1.0 + W_STD * rng.standard_normal(n)).astype(np.float32)
+    return (W_STD * rng.standard_normal(n)).astype(np.float32)
+
+
+def write_tensors(w, specs, src: RowSource, rng: np.random.Generator, f32_values=default_f32) -> None:
+    """Write the tensor table and stream every tensor of `specs` ((name, ggml shape, type) in file
+    order) to the GGUFWriter `w`, whose KV data is already set, then close it. F32 tensors come
+    from f32_values(name, shape, rng), the others from `src` (random normal rows)."""
+    import gguf
+
+    for name, s, t in specs:
+        np_shape = list(reversed(s))
+        if t == F32:
+            w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * int(np.prod(s)))
+        elif t == F16:
+            w.add_tensor_info(name, np_shape, np.dtype(np.float16), 2 * int(np.prod(s)))
+        else:
+            np_shape[-1] = row_bytes(t, s[0])
+            nb = int(np.prod(np_shape, dtype=np.int64))
+            w.add_tensor_info(name, np_shape, np.dtype(np.uint8), nb, raw_dtype=gguf.GGMLQuantizationType(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+
+    total = sum(tensor_nbytes(s, t) for _, s, t in specs)
+    done = 0
+    for name, s, t in specs:
+        if t == F32:
+            data = f32_values(name, s, rng)
+        else:
+            data = src.rows(t, s[0], int(np.prod(s[1:], dtype=np.int64)))
+        w.write_tensor_data(data)
+        done += data.nbytes
+        if sys.stdout.isatty():
+            print(f"\r  {done / 1e9:6.2f} / {total / 1e9:.2f} GB  {name:<28}", end="", flush=True)
+        del data
+    w.close()
+    if sys.stdout.isatty():
+        print()
+
+
 def write(a: argparse.Namespace) -> None:
     import gguf
 
@@ -252,51 +309,15 @@ def write(a: argparse.Namespace) -> None:
     w.add_pad_token_id(tokens.index("<|endoftext|>"))
     w.add_add_bos_token(False)
 
-    for name, s, t in specs:
-        np_shape = list(reversed(s))
-        if t == F32:
-            w.add_tensor_info(name, np_shape, np.dtype(np.float32), 4 * int(np.prod(s)))
-        elif t == F16:
-            w.add_tensor_info(name, np_shape, np.dtype(np.float16), 2 * int(np.prod(s)))
-        else:
-            np_shape[-1] = row_bytes(t, s[0])
-            nb = int(np.prod(np_shape, dtype=np.int64))
-            w.add_tensor_info(name, np_shape, np.dtype(np.uint8), nb, raw_dtype=gguf.GGMLQuantizationType(t))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-
     src = RowSource(a.pool_rows, a.threads, a.seed)
-    rng = np.random.default_rng(a.seed + 1)
     t0 = time.perf_counter()
-    done = 0
-    for name, s, t in specs:
-        n_rows = int(np.prod(s[1:], dtype=np.int64))
-        if t == F32:
-            if len(s) == 1:  # norm weights
-                data = (1.0 + W_STD * rng.standard_normal(s[0])).astype(np.float32)
-            else:  # router
-                data = (W_STD * rng.standard_normal(n_rows * s[0])).astype(np.float32)
-        else:
-            data = src.rows(t, s[0], n_rows)
-        w.write_tensor_data(data)
-        done += data.nbytes
-        if sys.stdout.isatty():
-            print(f"\r  {done / 1e9:6.2f} / {total / 1e9:.2f} GB  {name:<28}", end="", flush=True)
-        del data
-    w.close()
-    if sys.stdout.isatty():
-        print()
+    write_tensors(w, specs, src, np.random.default_rng(a.seed + 1))
     size = os.path.getsize(a.output)
     print(f"wrote {a.output}: {size / 1e9:.3f} GB ({size / 2**20:.0f} MiB), {len(specs)} tensors, "
           + ("F16 random normals" if shape.f16 else f"{src.quantized_values / 1e6:.0f} M values quantized"
              f"{f' (pools of {a.pool_rows} rows)' if a.pool_rows > 0 else ''}") + ", "
           f"{time.perf_counter() - t0:.0f} s")
-    by_type: dict[str, int] = {}
-    for name, s, t in specs:
-        nb = row_bytes(t, s[0]) * int(np.prod(s[1:], dtype=np.int64))
-        by_type[TYPE_NAME[t]] = by_type.get(TYPE_NAME[t], 0) + nb
-    print("  " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1])))
+    print("  " + type_summary(specs))
 
 
 def main() -> int:
