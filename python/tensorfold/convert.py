@@ -11,6 +11,7 @@ Supported ``architectures[0]`` → ``general.architecture``:
     MixtralForCausalLM  → llama       Qwen3ForCausalLM    → qwen3
                                       Qwen2MoeForCausalLM → qwen2moe
                                       Qwen3MoeForCausalLM → qwen3moe
+    DeepseekV2ForCausalLM → deepseek2 DeepseekV3ForCausalLM → deepseek2
 
 Memory stays bounded: the converter first plans every output tensor from the safetensors
 headers alone, writes the GGUF header, key/values and tensor table, then streams the tensor
@@ -24,6 +25,19 @@ Layouts (facts of the GGUF convention):
   The qwen families use NEOX rope (halves), so their weights are copied unchanged.
 - routed experts are stacked per layer into one 3-D tensor per projection, numpy shape
   ``[n_expert, rows, cols]`` (GGUF ne = cols, rows, n_expert).
+- ``deepseek2`` (DeepSeek V2/V3, multi-head latent attention) is written in llama.cpp's MLA
+  form: ``kv_b_proj`` ([n_head*(nope+v), kv_lora]) is split per head into ``attn_k_b``, numpy
+  ``[n_head, kv_lora, nope]`` (each head's K part transposed; GGUF ne = nope, kv_lora, n_head),
+  and ``attn_v_b``, numpy ``[n_head, v, kv_lora]`` (GGUF ne = kv_lora, v, n_head);
+  ``attention.head_count_kv`` is 1 (the latent is one shared "KV head"), key/value_length
+  describe the latent (kv_lora + rope, kv_lora), the ``*_mla`` keys the per-head sizes. Its rope
+  is llama.cpp's NORM (adjacent pairs), which is what DeepSeek checkpoints use
+  (``rope_interleave`` true, the V3 default, and always for V2); with ``rope_interleave: false``
+  HF rotates halves, so the rope rows of q/q_b (per head) and of kv_a are reordered like llama's
+  Q/K above. The MoE layers' router becomes ``ffn_gate_inp``, V3's ``e_score_correction_bias``
+  ``exp_probs_b.bias``, the shared experts ``ffn_*_shexp``; the first
+  ``first_k_dense_replace`` layers are dense. Multi-token-prediction layers (layer index >=
+  num_hidden_layers) are skipped, as llama.cpp does.
 
 Tokenizer pre-type (``tokenizer.ggml.pre``): the name of the regex splits llama.cpp (and
 TensorFold's tokenizer) apply before BPE. It is recognised from ``tokenizer.json``'s
@@ -59,6 +73,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2MoeForCausalLM": "qwen2moe",
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2",
 }
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -216,10 +232,28 @@ class _Params:
     n_ff_shexp: int = 0
     norm_topk: bool = False
     attn_bias: bool = False
+    mla: _Mla | None = None  # deepseek2 only
 
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+
+@dataclass
+class _Mla:
+    """DeepSeek V2/V3 (deepseek2) hyper-parameters beyond _Params'."""
+    q_lora_rank: int            # 0: no q-LoRA (plain q_proj)
+    kv_lora_rank: int
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+    n_dense_lead: int           # first_k_dense_replace
+    n_expert_shared: int
+    weights_scale: float        # routed_scaling_factor
+    gating: int                 # gguf.ExpertGatingFuncType: 1 softmax, 2 sigmoid
+    groups: tuple[int, int] | None  # (expert_group_count, expert_group_used_count) to write
+    yarn_log_mul: float | None  # rope.scaling.yarn_log_multiplier as llama.cpp writes it (0.1 * mscale_all_dim)
+    rope_interleave: bool       # False: HF rotates halves → reorder the rope rows
 
 
 def _int(cfg: dict, key: str, *alts: str, default: int | None = None) -> int:
@@ -304,6 +338,8 @@ def _params(cfg: dict) -> _Params:
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act != "silu":
         raise ConvertError(f"config.json: hidden_act '{act}' is not supported (only silu / SwiGLU)")
+    if arch == "deepseek2":
+        return _params_deepseek2(cfg, hf_arch)
     n_embd = _int(cfg, "hidden_size")
     n_head = _int(cfg, "num_attention_heads")
     n_head_kv = _int(cfg, "num_key_value_heads", default=n_head)
@@ -379,6 +415,165 @@ def _params(cfg: dict) -> _Params:
     return p
 
 
+# transformers' class defaults for fields a DeepSeek config.json may leave out (the model
+# then uses these, so the GGUF must describe them too)
+_DEEPSEEK_DEFAULTS = {
+    "DeepseekV2ForCausalLM": dict(first_k_dense_replace=0, n_shared_experts=2, routed_scaling_factor=1.0,
+                                  norm_topk_prob=False, topk_method="greedy", scoring_func="softmax"),
+    "DeepseekV3ForCausalLM": dict(first_k_dense_replace=3, n_shared_experts=1, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid",
+                                  n_group=8, topk_group=4),
+}
+_GATING = {"softmax": 1, "sigmoid": 2}  # gguf.ExpertGatingFuncType
+
+
+def _params_deepseek2(cfg: dict, hf_arch: str) -> _Params:
+    """DeepSeek V2 / V3 (multi-head latent attention + DeepSeekMoE) → deepseek2."""
+    d = _DEEPSEEK_DEFAULTS[hf_arch]
+    version = "V2" if hf_arch == "DeepseekV2ForCausalLM" else "V3"
+
+    def get(key: str):  # a missing or null field: transformers' default
+        v = cfg.get(key)
+        return d.get(key) if v is None else v
+
+    def count(key: str, minimum: int = 0) -> int:  # missing: the default; null: none (0)
+        raw = cfg[key] if key in cfg else d.get(key)
+        v = 0 if raw is None else raw
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ConvertError(f"config.json: {key} = {raw!r} is not an integer >= {minimum}")
+        return v
+
+    n_embd = _int(cfg, "hidden_size")
+    n_layer = _int(cfg, "num_hidden_layers")
+    n_head = _int(cfg, "num_attention_heads")
+    n_head_kv = cfg.get("num_key_value_heads")
+    if n_head_kv is not None and n_head_kv != n_head:
+        raise ConvertError(f"config.json: num_key_value_heads {n_head_kv} != num_attention_heads {n_head}; "
+                           "DeepSeek's latent attention expands the latent to every head")
+    kv_lora = _int(cfg, "kv_lora_rank")
+    q_lora = cfg.get("q_lora_rank")
+    q_lora = 0 if q_lora in (None, 0) else _int(cfg, "q_lora_rank")
+    nope, rope, v_head = _int(cfg, "qk_nope_head_dim"), _int(cfg, "qk_rope_head_dim"), _int(cfg, "v_head_dim")
+    if rope % 2:
+        raise ConvertError(f"config.json: qk_rope_head_dim {rope} must be even for rope")
+    if cfg.get("attention_bias"):
+        raise ConvertError("config.json: attention_bias is true; deepseek2 has no attention biases")
+    if cfg.get("mlp_bias"):
+        raise ConvertError("config.json: mlp_bias is true; MLP biases are not supported")
+    prf = cfg.get("partial_rotary_factor", 1.0)
+    if prf not in (None, 1, 1.0):
+        raise ConvertError(f"config.json: partial_rotary_factor {prf} is not supported")
+    if cfg.get("use_sliding_window") is True:
+        raise ConvertError("config.json: use_sliding_window is true; sliding-window attention is not supported")
+
+    # MoE layout: the first first_k_dense_replace layers are dense, every later one is MoE
+    n_expert = _int(cfg, "n_routed_experts", "num_local_experts")
+    n_used = _int(cfg, "num_experts_per_tok")
+    if n_used > n_expert:
+        raise ConvertError(f"config.json: num_experts_per_tok {n_used} > n_routed_experts {n_expert}")
+    freq = cfg.get("moe_layer_freq", 1)
+    if freq != 1:
+        raise ConvertError(f"config.json: moe_layer_freq = {freq!r}; deepseek2 in llama.cpp / TensorFold "
+                           "can only describe MoE in every layer after the first_k_dense_replace dense ones (1)")
+    n_dense = count("first_k_dense_replace")
+    if n_dense > n_layer:
+        raise ConvertError(f"config.json: first_k_dense_replace {n_dense} > num_hidden_layers {n_layer}")
+    n_shared = count("n_shared_experts")
+
+    scoring = get("scoring_func")
+    want = d["scoring_func"]
+    if scoring != want:
+        raise ConvertError(f"config.json: scoring_func '{scoring}' is not supported for {hf_arch} "
+                           f"(DeepSeek {version} routers use '{want}')")
+    method = get("topk_method")
+    n_group, topk_group = cfg.get("n_group"), cfg.get("topk_group")
+    groups: tuple[int, int] | None = None
+    if version == "V2":
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConvertError(f"config.json: topk_method '{method}' is not supported for {hf_arch} "
+                               "(supported: greedy; group_limited_greedy only when it selects every group)")
+        grouped = isinstance(n_group, int) and isinstance(topk_group, int) and 1 < n_group and topk_group < n_group
+        if method == "group_limited_greedy" and grouped:
+            raise ConvertError(
+                f"config.json: topk_method group_limited_greedy with n_group {n_group} / topk_group {topk_group} "
+                "ranks expert groups by their best expert; deepseek2's expert_group_count / expert_group_used_count "
+                "rank groups by the sum of their two best experts (DeepSeek V3's noaux_tc), so this routing "
+                "cannot be represented")
+        # greedy ignores groups; write them (as llama.cpp does) only where they cannot group
+        if isinstance(n_group, int) and isinstance(topk_group, int) and n_group <= 1:
+            groups = (n_group, topk_group)
+    else:
+        if method != "noaux_tc":
+            raise ConvertError(f"config.json: topk_method '{method}' is not supported for {hf_arch} "
+                               "(DeepSeek V3 routers use noaux_tc)")
+        n_group, topk_group = count("n_group", 1), count("topk_group", 1)
+        if n_group > 1 and topk_group < n_group:
+            if n_expert % n_group or n_expert // n_group < 2:
+                raise ConvertError(f"config.json: n_routed_experts {n_expert} cannot be split into n_group "
+                                   f"{n_group} groups of at least two experts")
+            groups = (n_group, topk_group)
+        elif n_group <= 1:
+            groups = (n_group, topk_group)
+        # topk_group >= n_group > 1 selects every group: no groups written (llama.cpp's loader
+        # insists on expert_group_used_count < expert_group_count)
+    scale = get("routed_scaling_factor")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+        raise ConvertError(f"config.json: routed_scaling_factor = {scale!r} is invalid")
+
+    base, scaling, log_mul = _rope_deepseek2(cfg)
+    interleave = True
+    if version == "V3":
+        ri = cfg.get("rope_interleave", True)
+        if not isinstance(ri, bool):
+            raise ConvertError(f"config.json: rope_interleave = {ri!r} is not a boolean")
+        interleave = ri
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or not (0 < eps < 1):
+        raise ConvertError(f"config.json: rms_norm_eps {eps!r} is invalid")
+    tied = cfg.get("tie_word_embeddings")
+    p = _Params(
+        hf_arch=hf_arch, arch="deepseek2", n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=1,
+        head_dim=nope + rope, n_ff=_int(cfg, "intermediate_size"), n_vocab=_int(cfg, "vocab_size"),
+        n_ctx=_int(cfg, "max_position_embeddings", default=4096), rms_eps=float(eps), rope_base=base,
+        rope_scaling=scaling, tied=None if tied is None else bool(tied),
+        n_expert=n_expert, n_expert_used=n_used, n_ff_exp=_int(cfg, "moe_intermediate_size"),
+        norm_topk=bool(get("norm_topk_prob")),
+    )
+    p.n_ff_shexp = p.n_ff_exp * n_shared
+    p.mla = _Mla(q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope=nope, qk_rope=rope, v_head=v_head,
+                 n_dense_lead=n_dense, n_expert_shared=n_shared, weights_scale=float(scale),
+                 gating=_GATING[scoring], groups=groups, yarn_log_mul=log_mul, rope_interleave=interleave)
+    return p
+
+
+def _rope_deepseek2(cfg: dict) -> tuple[float, list | None, float | None]:
+    """rope base, rope.scaling.* rows and yarn_log_multiplier for deepseek2. llama.cpp's deepseek2
+    applies YaRN the DeepSeek way: cos/sin unscaled and the attention scale multiplied by
+    (0.1 * mscale_all_dim * ln(factor) + 1)^2, which is what transformers computes when mscale ==
+    mscale_all_dim; other combinations (and linear scaling, which deepseek2 would also rescale)
+    cannot be represented."""
+    base, rows = _rope(cfg)
+    if not rows:
+        return base, None, None
+    params = cfg.get("rope_parameters")
+    scaling = params if isinstance(params, dict) and ("rope_theta" in params or "rope_type" in params) \
+        else cfg.get("rope_scaling")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        raise ConvertError(f"config.json: rope scaling '{kind}' is not supported for deepseek2 (only yarn)")
+    if scaling.get("attention_factor") is not None:
+        raise ConvertError("config.json: yarn attention_factor is not supported for deepseek2 (llama.cpp derives "
+                           "the attention scaling from mscale_all_dim alone)")
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (mscale, mscale_all))
+    if not ok or mscale != mscale_all:
+        raise ConvertError(
+            f"config.json: yarn with mscale = {mscale!r} and mscale_all_dim = {mscale_all!r} cannot be represented "
+            "for deepseek2: llama.cpp stores only mscale_all_dim (rope.scaling.yarn_log_multiplier) and assumes "
+            "mscale == mscale_all_dim, as in DeepSeek's own configs")
+    return base, rows, 0.1 * float(mscale_all)
+
+
 # --------------------------------------------------------------------------------------
 # tensor plan
 
@@ -428,10 +623,11 @@ def _plan(p: _Params, src: _Source) -> list[_Out]:
         if got != shape:
             raise ConvertError(f"tensor {name} has shape {list(got)}, expected {list(shape)} from config.json")
 
-    def add(gname: str, hname: str, shape: tuple[int, ...], keep_f32=False, make=_one) -> None:
+    def add(gname: str, hname: str, shape: tuple[int, ...], keep_f32=False, make=_one,
+            out_shape: tuple[int, ...] | None = None) -> None:
         expect(hname, shape)
         used.add(hname)
-        outs.append(_Out(gname, shape, [hname], make, keep_f32))
+        outs.append(_Out(gname, out_shape or shape, [hname], make, keep_f32))
 
     def add_stack(gname: str, hnames: list[str], shape: tuple[int, ...]) -> None:
         for h in hnames:
@@ -453,41 +649,7 @@ def _plan(p: _Params, src: _Source) -> list[_Out]:
                 raise ConvertError(f"tensor {hname} has shape {list(full)}, expected {list(want)}")
             outs.append(_Out(gname, shape, [hname], lambda a, s=part: np.ascontiguousarray(a[0][:, s, :])))
 
-    E, H, V = p.n_embd, p.n_embd, p.n_vocab
-    add("token_embd.weight", "model.embed_tokens.weight", (V, E))
-    q_rows, kv_rows = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
-    norm_rope = p.arch == "llama"
-    for i in range(p.n_layer):
-        hf = f"model.layers.{i}"
-        b = f"blk.{i}"
-        add(f"{b}.attn_norm.weight", f"{hf}.input_layernorm.weight", (E,), True)
-        for g, h, rows, nh in (("attn_q", "q_proj", q_rows, p.n_head),
-                               ("attn_k", "k_proj", kv_rows, p.n_head_kv),
-                               ("attn_v", "v_proj", kv_rows, 0)):
-            perm = (lambda a, n=nh: permute_qk(a[0], n)) if (norm_rope and nh) else _one
-            add(f"{b}.{g}.weight", f"{hf}.self_attn.{h}.weight", (rows, H), make=perm)
-            if p.attn_bias:
-                add(f"{b}.{g}.bias", f"{hf}.self_attn.{h}.bias", (rows,), True)
-            elif f"{hf}.self_attn.{h}.bias" in src:
-                raise ConvertError(f"tensor {hf}.self_attn.{h}.bias present but {p.arch} has no attention biases")
-        add(f"{b}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (H, q_rows))
-        if p.arch in ("qwen3", "qwen3moe"):
-            add(f"{b}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", (p.head_dim,), True)
-            add(f"{b}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", (p.head_dim,), True)
-        add(f"{b}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (E,), True)
-
-        if not p.is_moe:
-            add(f"{b}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (p.n_ff, E))
-            add(f"{b}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (p.n_ff, E))
-            add(f"{b}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (E, p.n_ff))
-            continue
-
-        moe = f"{hf}.block_sparse_moe" if p.hf_arch == "MixtralForCausalLM" else f"{hf}.mlp"
-        if p.hf_arch == "MixtralForCausalLM" and f"{moe}.gate.weight" not in src and f"{hf}.mlp.gate.weight" in src:
-            moe = f"{hf}.mlp"
-        router = f"{moe}.gate.weight" if f"{moe}.gate.weight" in src else f"{moe}.router.weight"
-        add(f"{b}.ffn_gate_inp.weight", router, (p.n_expert, E), True)
-        F, n = p.n_ff_exp, p.n_expert
+    def add_experts(b: str, moe: str, n: int, F: int) -> None:
         if f"{moe}.experts.gate_up_proj" in src:  # fused (transformers 5 in-memory layout)
             add_fused(f"{b}.ffn_gate_exps.weight", f"{moe}.experts.gate_up_proj", (n, F, E), slice(0, F))
             add_fused(f"{b}.ffn_up_exps.weight", f"{moe}.experts.gate_up_proj", (n, F, E), slice(F, 2 * F))
@@ -501,12 +663,51 @@ def _plan(p: _Params, src: _Source) -> list[_Out]:
             add_stack(f"{b}.ffn_gate_exps.weight", [f"{x}.{gate}.weight" for x in ex], (F, E))
             add_stack(f"{b}.ffn_up_exps.weight", [f"{x}.{up}.weight" for x in ex], (F, E))
             add_stack(f"{b}.ffn_down_exps.weight", [f"{x}.{down}.weight" for x in ex], (E, F))
-        if p.arch == "qwen2moe":
-            S = p.n_ff_shexp
-            add(f"{b}.ffn_gate_inp_shexp.weight", f"{moe}.shared_expert_gate.weight", (1, E), True)
-            add(f"{b}.ffn_gate_shexp.weight", f"{moe}.shared_expert.gate_proj.weight", (S, E))
-            add(f"{b}.ffn_up_shexp.weight", f"{moe}.shared_expert.up_proj.weight", (S, E))
-            add(f"{b}.ffn_down_shexp.weight", f"{moe}.shared_expert.down_proj.weight", (E, S))
+
+    E, H, V = p.n_embd, p.n_embd, p.n_vocab
+    add("token_embd.weight", "model.embed_tokens.weight", (V, E))
+    q_rows, kv_rows = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+    norm_rope = p.arch == "llama"
+    if p.mla is not None:
+        _plan_deepseek2_layers(p, src, add, add_experts)
+    else:
+        for i in range(p.n_layer):
+            hf = f"model.layers.{i}"
+            b = f"blk.{i}"
+            add(f"{b}.attn_norm.weight", f"{hf}.input_layernorm.weight", (E,), True)
+            for g, h, rows, nh in (("attn_q", "q_proj", q_rows, p.n_head),
+                                   ("attn_k", "k_proj", kv_rows, p.n_head_kv),
+                                   ("attn_v", "v_proj", kv_rows, 0)):
+                perm = (lambda a, n=nh: permute_qk(a[0], n)) if (norm_rope and nh) else _one
+                add(f"{b}.{g}.weight", f"{hf}.self_attn.{h}.weight", (rows, H), make=perm)
+                if p.attn_bias:
+                    add(f"{b}.{g}.bias", f"{hf}.self_attn.{h}.bias", (rows,), True)
+                elif f"{hf}.self_attn.{h}.bias" in src:
+                    raise ConvertError(f"tensor {hf}.self_attn.{h}.bias present but {p.arch} has no attention biases")
+            add(f"{b}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (H, q_rows))
+            if p.arch in ("qwen3", "qwen3moe"):
+                add(f"{b}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", (p.head_dim,), True)
+                add(f"{b}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", (p.head_dim,), True)
+            add(f"{b}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (E,), True)
+
+            if not p.is_moe:
+                add(f"{b}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (p.n_ff, E))
+                add(f"{b}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (p.n_ff, E))
+                add(f"{b}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (E, p.n_ff))
+                continue
+
+            moe = f"{hf}.block_sparse_moe" if p.hf_arch == "MixtralForCausalLM" else f"{hf}.mlp"
+            if p.hf_arch == "MixtralForCausalLM" and f"{moe}.gate.weight" not in src and f"{hf}.mlp.gate.weight" in src:
+                moe = f"{hf}.mlp"
+            router = f"{moe}.gate.weight" if f"{moe}.gate.weight" in src else f"{moe}.router.weight"
+            add(f"{b}.ffn_gate_inp.weight", router, (p.n_expert, E), True)
+            add_experts(b, moe, p.n_expert, p.n_ff_exp)
+            if p.arch == "qwen2moe":
+                S = p.n_ff_shexp
+                add(f"{b}.ffn_gate_inp_shexp.weight", f"{moe}.shared_expert_gate.weight", (1, E), True)
+                add(f"{b}.ffn_gate_shexp.weight", f"{moe}.shared_expert.gate_proj.weight", (S, E))
+                add(f"{b}.ffn_up_shexp.weight", f"{moe}.shared_expert.up_proj.weight", (S, E))
+                add(f"{b}.ffn_down_shexp.weight", f"{moe}.shared_expert.down_proj.weight", (E, S))
 
     add("output_norm.weight", "model.norm.weight", (E,), True)
     has_head = "lm_head.weight" in src
@@ -526,6 +727,15 @@ def _plan(p: _Params, src: _Source) -> list[_Out]:
 
     ignorable = re.compile(r"(rotary_emb\.inv_freq|\.e_score_correction_bias)$")
     left = sorted(n for n in src.names() if n not in used and not ignorable.search(n))
+    if p.mla is not None:
+        # DeepSeek's multi-token-prediction layers follow the last layer: skipped, as llama.cpp does
+        mtp = {n for n in src.names()
+               if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= p.n_layer}
+        if mtp:
+            log.info("skipping %d multi-token-prediction tensors (layers >= %d)", len(mtp), p.n_layer)
+        # here a correction bias is a tensor like any other: one this plan did not use is an error
+        left = sorted(n for n in src.names()
+                      if n not in used and n not in mtp and not n.endswith("rotary_emb.inv_freq"))
     if left:
         more = f" (and {len(left) - 5} more)" if len(left) > 5 else ""
         raise ConvertError(f"the checkpoint has tensors this converter does not map: {', '.join(left[:5])}{more}; "
@@ -535,6 +745,85 @@ def _plan(p: _Params, src: _Source) -> list[_Out]:
         o.order = (min(src.file_of[s] for s in o.sources), k)
     outs.sort(key=lambda o: o.order)
     return outs
+
+
+def _rope_rows_perm(rows: int, block: int, start: int, rope: int) -> np.ndarray:
+    """Row order that turns HF's rotate-half rope rows into llama.cpp's adjacent pairs: in each
+    block of ``block`` rows, the ``rope`` rows from offset ``start`` get GGUF row start + 2i + j =
+    HF row start + j*rope/2 + i (see permute_qk); every other row stays."""
+    idx = np.arange(rows).reshape(rows // block, block)
+    part = idx[:, start:start + rope].reshape(-1, 2, rope // 2).swapaxes(1, 2).reshape(-1, rope)
+    idx = idx.copy()
+    idx[:, start:start + rope] = part
+    return idx.reshape(rows)
+
+
+def _plan_deepseek2_layers(p: _Params, src: _Source, add, add_experts) -> None:
+    """The per-layer tensors of deepseek2, with llama.cpp's names and layouts."""
+    m = p.mla
+    assert m is not None
+    E, nh = p.n_embd, p.n_head
+    nope, rope, kv, vd = m.qk_nope, m.qk_rope, m.kv_lora_rank, m.v_head
+    qk = nope + rope
+    q_rows = nh * qk
+
+    def rows(order: np.ndarray | None):
+        if order is None:
+            return _one
+        return lambda a, o=order: np.ascontiguousarray(a[0][o])
+
+    q_order = kv_a_order = None
+    if not m.rope_interleave:  # HF rotates halves: reorder the rope rows to adjacent pairs
+        q_order = _rope_rows_perm(q_rows, qk, nope, rope)
+        kv_a_order = _rope_rows_perm(kv + rope, kv + rope, kv, rope)
+
+    def k_b(a: list[np.ndarray]) -> np.ndarray:  # [nh*(nope+v), kv] → [nh, kv, nope]
+        w = a[0].reshape(nh, nope + vd, kv)
+        return np.ascontiguousarray(w[:, :nope, :].transpose(0, 2, 1))
+
+    def v_b(a: list[np.ndarray]) -> np.ndarray:  # [nh*(nope+v), kv] → [nh, v, kv]
+        return np.ascontiguousarray(a[0].reshape(nh, nope + vd, kv)[:, nope:, :])
+
+    for i in range(p.n_layer):
+        hf, b = f"model.layers.{i}", f"blk.{i}"
+        at = f"{hf}.self_attn"
+        add(f"{b}.attn_norm.weight", f"{hf}.input_layernorm.weight", (E,), True)
+        if m.q_lora_rank:
+            if f"{at}.q_proj.weight" in src:
+                raise ConvertError(f"tensor {at}.q_proj.weight present but config.json sets q_lora_rank "
+                                   f"{m.q_lora_rank} (q_a_proj / q_b_proj expected)")
+            add(f"{b}.attn_q_a.weight", f"{at}.q_a_proj.weight", (m.q_lora_rank, E))
+            add(f"{b}.attn_q_a_norm.weight", f"{at}.q_a_layernorm.weight", (m.q_lora_rank,), True)
+            add(f"{b}.attn_q_b.weight", f"{at}.q_b_proj.weight", (q_rows, m.q_lora_rank), make=rows(q_order))
+        else:
+            if f"{at}.q_a_proj.weight" in src:
+                raise ConvertError(f"tensor {at}.q_a_proj.weight present but config.json has no q_lora_rank")
+            add(f"{b}.attn_q.weight", f"{at}.q_proj.weight", (q_rows, E), make=rows(q_order))
+        add(f"{b}.attn_kv_a_mqa.weight", f"{at}.kv_a_proj_with_mqa.weight", (kv + rope, E), make=rows(kv_a_order))
+        add(f"{b}.attn_kv_a_norm.weight", f"{at}.kv_a_layernorm.weight", (kv,), True)
+        kv_b = f"{at}.kv_b_proj.weight"
+        add(f"{b}.attn_k_b.weight", kv_b, (nh * (nope + vd), kv), make=k_b, out_shape=(nh, kv, nope))
+        add(f"{b}.attn_v_b.weight", kv_b, (nh * (nope + vd), kv), make=v_b, out_shape=(nh, vd, kv))
+        add(f"{b}.attn_output.weight", f"{at}.o_proj.weight", (E, nh * vd))
+        add(f"{b}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (E,), True)
+        mlp = f"{hf}.mlp"
+        if i < m.n_dense_lead:
+            add(f"{b}.ffn_gate.weight", f"{mlp}.gate_proj.weight", (p.n_ff, E))
+            add(f"{b}.ffn_up.weight", f"{mlp}.up_proj.weight", (p.n_ff, E))
+            add(f"{b}.ffn_down.weight", f"{mlp}.down_proj.weight", (E, p.n_ff))
+            continue
+        add(f"{b}.ffn_gate_inp.weight", f"{mlp}.gate.weight", (p.n_expert, E), True)
+        if f"{mlp}.gate.e_score_correction_bias" in src:
+            if m.gating != _GATING["sigmoid"]:
+                raise ConvertError(f"tensor {mlp}.gate.e_score_correction_bias present but {p.hf_arch} "
+                                   "routers have no correction bias")
+            add(f"{b}.exp_probs_b.bias", f"{mlp}.gate.e_score_correction_bias", (p.n_expert,), True)
+        add_experts(b, mlp, p.n_expert, p.n_ff_exp)
+        if m.n_expert_shared:
+            S = p.n_ff_shexp
+            add(f"{b}.ffn_gate_shexp.weight", f"{mlp}.shared_experts.gate_proj.weight", (S, E))
+            add(f"{b}.ffn_up_shexp.weight", f"{mlp}.shared_experts.up_proj.weight", (S, E))
+            add(f"{b}.ffn_down_shexp.weight", f"{mlp}.shared_experts.down_proj.weight", (E, S))
 
 
 def _choose_types(outs: list[_Out], outtype: str) -> None:
@@ -794,6 +1083,8 @@ def _chat_template(hf_dir: str, tcfg: dict) -> str | None:
 
 
 def _model_kv(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]:
+    if p.mla is not None:
+        return _model_kv_deepseek2(p, name, outtype)
     a = p.arch
     kv: list[tuple[str, str, Any]] = [
         ("general.name", "str", name),
@@ -822,6 +1113,56 @@ def _model_kv(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]
             kv.append((f"{a}.expert_feed_forward_length", "u32", p.n_ff_exp))
         if a == "qwen2moe":
             kv.append((f"{a}.expert_shared_feed_forward_length", "u32", p.n_ff_shexp))
+    return kv
+
+
+def _model_kv_deepseek2(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]:
+    """llama.cpp's deepseek2 keys (MLA form). Where llama.cpp's converter leaves a key out
+    because config.json does not name it, this writes what the model actually does:
+    expert_gating_func always (llama.cpp's loader falls back to softmax without it, which is
+    wrong for V3), expert_weights_scale always."""
+    m = p.mla
+    assert m is not None
+    a = "deepseek2"
+    kv: list[tuple[str, str, Any]] = [
+        ("general.name", "str", name),
+        ("general.file_type", "u32", _FILE_TYPE[outtype]),
+        (f"{a}.vocab_size", "u32", p.n_vocab),
+        (f"{a}.context_length", "u32", p.n_ctx),
+        (f"{a}.embedding_length", "u32", p.n_embd),
+        (f"{a}.block_count", "u32", p.n_layer),
+        (f"{a}.feed_forward_length", "u32", p.n_ff),
+        (f"{a}.attention.head_count", "u32", p.n_head),
+        (f"{a}.attention.head_count_kv", "u32", 1),  # the shared latent
+        (f"{a}.attention.layer_norm_rms_epsilon", "f32", p.rms_eps),
+        (f"{a}.rope.freq_base", "f32", p.rope_base),
+        (f"{a}.rope.dimension_count", "u32", m.qk_rope),
+    ]
+    if p.rope_scaling:
+        kv += [(f"{a}.rope.scaling.{k}", t, v) for k, t, v in p.rope_scaling]
+    if m.yarn_log_mul is not None:
+        kv.append((f"{a}.rope.scaling.yarn_log_multiplier", "f32", m.yarn_log_mul))
+    kv.append((f"{a}.leading_dense_block_count", "u32", m.n_dense_lead))
+    if m.q_lora_rank:
+        kv.append((f"{a}.attention.q_lora_rank", "u32", m.q_lora_rank))
+    kv += [
+        (f"{a}.attention.kv_lora_rank", "u32", m.kv_lora_rank),
+        (f"{a}.attention.key_length", "u32", m.kv_lora_rank + m.qk_rope),
+        (f"{a}.attention.value_length", "u32", m.kv_lora_rank),
+        (f"{a}.attention.key_length_mla", "u32", m.qk_nope + m.qk_rope),
+        (f"{a}.attention.value_length_mla", "u32", m.v_head),
+        (f"{a}.expert_feed_forward_length", "u32", p.n_ff_exp),
+        (f"{a}.expert_count", "u32", p.n_expert),
+        (f"{a}.expert_used_count", "u32", p.n_expert_used),
+        (f"{a}.expert_shared_count", "u32", m.n_expert_shared),
+        (f"{a}.expert_weights_scale", "f32", m.weights_scale),
+        (f"{a}.expert_gating_func", "u32", m.gating),
+    ]
+    if p.norm_topk:  # llama.cpp writes it only when true
+        kv.append((f"{a}.expert_weights_norm", "bool", True))
+    if m.groups is not None:
+        kv += [(f"{a}.expert_group_count", "u32", m.groups[0]),
+               (f"{a}.expert_group_used_count", "u32", m.groups[1])]
     return kv
 
 
