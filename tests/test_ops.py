@@ -180,6 +180,25 @@ def test_latent_attention_block_equals_single():
         np.testing.assert_array_equal(out[t], single)
 
 
+def test_attention_of_a_head_does_not_depend_on_the_heads_beside_it():
+    # The model splits the query heads of one cache head between threads when there are few
+    # items (MLA decode): any subset of heads must get exactly the rows the whole group gets.
+    kvl, rope, G, bs, n = 48, 16, 16, 16, 300
+    rng = np.random.default_rng(9)
+    n_pages = (n + bs - 1) // bs
+    rows = rng.standard_normal((n_pages, bs, kvl + rope)).astype(np.float16).view(np.uint16)
+    table = np.arange(n_pages, dtype=np.int32)
+    q = rng.standard_normal((G, kvl + rope)).astype(np.float32)
+    whole = ops.paged_attention(q, rows, None, table, n, 0.2, v_dim=kvl)
+    for h0, h1 in [(0, 8), (8, 16), (3, 4), (5, 16)]:
+        part = ops.paged_attention(q[h0:h1].copy(), rows, None, table, n, 0.2, v_dim=kvl)
+        np.testing.assert_array_equal(part, whole[h0:h1])
+    qb = rng.standard_normal((4, G, kvl + rope)).astype(np.float32)
+    whole_b = ops.paged_attention_causal(qb[:, :8].copy(), rows, None, table, n - 4, 0.2, v_dim=kvl)
+    part_b = ops.paged_attention_causal(qb[:, 3:5].copy(), rows, None, table, n - 4, 0.2, v_dim=kvl)
+    np.testing.assert_array_equal(part_b, whole_b[:, 3:5])
+
+
 def test_paged_attention_rejects_bad_tables():
     k = np.zeros((2, 16, 8), np.uint16)
     with pytest.raises(ValueError, match="v_dim"):  # latent rows need the value width

@@ -98,21 +98,29 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
     }
     blocks.emplace_back(t, 1);
   }
-  const int64_t items = int64_t(blocks.size()) * HK;
+  // Fewer items than threads (decode of one sequence under MLA, whose one cache head serves
+  // every query head): the query heads of a cache head are split into parts, each read
+  // against the pages on its own. The kernels give every head the same bits whichever heads
+  // it is computed with, so this changes no result.
+  const int64_t base_items = int64_t(blocks.size()) * HK;
+  const int parts = int(std::min<int64_t>(group, std::max<int64_t>(1, int64_t(pool.size()) / base_items)));
+  const int64_t items = base_items * parts;
   const int64_t runs = std::min<int64_t>(items, int64_t(pool.size()) * 16);
   pool.run_chunks(runs, [&](int64_t r, int) {
     for (int64_t it = r * items / runs; it < (r + 1) * items / runs; ++it) {
-      const auto [t, nt] = blocks[size_t(it / HK)];
-      const int g = int(it % HK);
+      const int part = int(it % parts);
+      const auto [t, nt] = blocks[size_t(it / parts / HK)];
+      const int g = int(it / parts % HK);
+      const int h0 = group * part / parts, h1 = group * (part + 1) / parts;  // this item's query heads
       const BatchToken& bt = batch[size_t(t)];
       const cpu::PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
                                kv.block_table(bt.seq).data(), kv.block_size(), kv.type() == KvType::F32, v_dim};
-      const float* qt = q + t * q_stride + int64_t(g) * group * head_dim;
-      float* ot = out + t * out_stride + int64_t(g) * group * v_dim;
+      const float* qt = q + t * q_stride + (int64_t(g) * group + h0) * head_dim;
+      float* ot = out + t * out_stride + (int64_t(g) * group + h0) * v_dim;
       if (nt == 1)
-        cpu::paged_attention(qt, group, head_dim, pages, int64_t(bt.pos) + 1, scale, ot);
+        cpu::paged_attention(qt, h1 - h0, head_dim, pages, int64_t(bt.pos) + 1, scale, ot);
       else
-        cpu::paged_attention_causal(qt, q_stride, nt, group, head_dim, pages, bt.pos, scale, ot, out_stride);
+        cpu::paged_attention_causal(qt, q_stride, nt, h1 - h0, head_dim, pages, bt.pos, scale, ot, out_stride);
     }
   });
 }
