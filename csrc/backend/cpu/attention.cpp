@@ -38,6 +38,12 @@ void softmax_tile_step(const VecOps& ops, float* sc, int64_t n, bool first_tile,
     ops.f16_to_f32(n, half, sc);
   }
 }
+// Positions per tile: kAttentionTile, fewer for wide rows (MLA's 576) so that the tile's rows
+// converted to float stay in L2 between the score and value passes. Both kernels use the same
+// tiles, so they still agree bit for bit.
+inline int tile_positions(int head_dim) {
+  return head_dim <= 128 ? kAttentionTile : head_dim <= 256 ? kAttentionTile / 2 : kAttentionTile / 4;
+}
 }  // namespace
 
 void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n, float scale, float* out) {
@@ -45,55 +51,48 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
   TF_CHECK(G > 0 && G <= kMaxGroup && D > 0 && D <= kMaxHeadDim && Dv <= D && n > 0, "paged_attention: bad sizes");
   const VecOps& ops = vec_ops();
   const int bs = kv.block_size;
+  const int T = tile_positions(D);
   // Per-thread scratch, bounded by the tile whatever n is: the G rounded queries, a tile of
-  // K (then V) rows converted to float once for all G heads, and the G heads' tile scores.
+  // K (then V) rows as float, converted once for all G heads, and the G heads' tile scores.
   thread_local std::vector<float> scratch;
-  const size_t need = size_t(G) * D + size_t(kAttentionTile) * D + size_t(G) * kAttentionTile;
+  const size_t need = size_t(G) * D + size_t(T) * D + size_t(G) * T;
   if (scratch.size() < need) scratch.resize(need);
   float* qr = scratch.data();
   float* rows = qr + size_t(G) * D;
-  float* scores = rows + size_t(kAttentionTile) * D;
+  float* scores = rows + size_t(T) * D;
   for (int i = 0; i < G * D; ++i) qr[i] = kv.f32 ? q[i] : fp16_to_fp32(fp32_to_fp16(q[i]));
-  // Online softmax over tiles of kAttentionTile positions: each head's running maximum and
-  // running sum of exp(s - max) are rescaled whenever a tile raises that head's maximum.
+  // Online softmax over tiles of T positions: each head's running maximum and running sum of
+  // exp(s - max) are rescaled whenever a tile raises that head's maximum.
   float mx[kMaxGroup];
   double sum[kMaxGroup];
   std::fill(mx, mx + G, -INFINITY);
   std::fill(sum, sum + G, 0.0);
   std::fill(out, out + size_t(G) * Dv, 0.f);
-  // Row j of the tile: in the cache (float) or its first `width` values converted into `rows` (half).
-  const float* row_ptr[kAttentionTile];
   auto gather = [&](const void* base, int64_t j0, int64_t m, int width) {
     int64_t b = j0 / bs, in_page = j0 % bs;
     for (int64_t j = 0; j < m; ++j) {
       const size_t at = size_t(kv.table[b]) * kv.page_stride + size_t(in_page) * size_t(D);
-      if (kv.f32) {
-        row_ptr[j] = static_cast<const float*>(base) + at;
-      } else {
+      if (kv.f32)
+        std::copy_n(static_cast<const float*>(base) + at, width, rows + j * D);
+      else
         ops.f16_to_f32(width, static_cast<const uint16_t*>(base) + at, rows + j * D);
-        row_ptr[j] = rows + j * D;
-      }
       if (++in_page == bs) { in_page = 0; ++b; }
     }
   };
-  for (int64_t j0 = 0; j0 < n; j0 += kAttentionTile) {
-    const int64_t m = std::min<int64_t>(kAttentionTile, n - j0);
+  // Each tile is met as two small matrix products (heads x K rows, then probabilities x V
+  // rows), register-blocked over several heads and rows at once; every score and output
+  // element is formed exactly as the prefill block kernel forms it.
+  for (int64_t j0 = 0; j0 < n; j0 += T) {
+    const int m = int(std::min<int64_t>(T, n - j0));
     gather(kv.k_base, j0, m, D);
-    // Scores: each K row against all G queries at once (independent dot chains).
-    float dots[kMaxGroup];
-    for (int64_t j = 0; j < m; ++j) {
-      ops.dot_rows_f32(D, qr, D, G, row_ptr[j], dots);
-      for (int h = 0; h < G; ++h) scores[size_t(h) * kAttentionTile + size_t(j)] = dots[h] * scale;
+    ops.dot_block_f32(D, qr, D, G, rows, D, m, scores, T);
+    for (int h = 0; h < G; ++h) {
+      float* sc = scores + size_t(h) * T;
+      for (int j = 0; j < m; ++j) sc[j] *= scale;
+      softmax_tile_step(ops, sc, m, j0 == 0, !kv.f32, mx[h], sum[h], out + size_t(h) * Dv, Dv);
     }
-    for (int h = 0; h < G; ++h)
-      softmax_tile_step(ops, scores + size_t(h) * kAttentionTile, m, j0 == 0, !kv.f32, mx[h], sum[h],
-                        out + size_t(h) * Dv, Dv);
     if (kv.v_base != kv.k_base) gather(kv.v_base, j0, m, Dv);  // else the K rows' prefix is V
-    float p[kMaxGroup];
-    for (int64_t j = 0; j < m; ++j) {
-      for (int h = 0; h < G; ++h) p[h] = scores[size_t(h) * kAttentionTile + size_t(j)];
-      ops.axpy_rows_f32(Dv, p, G, row_ptr[j], out, Dv);
-    }
+    ops.axpy_block_f32(Dv, scores, T, G, rows, D, m, out, Dv);
   }
   for (int h = 0; h < G; ++h) ops.scale(Dv, out + size_t(h) * Dv, float(1.0 / sum[h]));
 }
@@ -106,7 +105,7 @@ void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, 
            "paged_attention_causal: bad sizes");
   const VecOps& ops = vec_ops();
   const int bs = kv.block_size;
-  constexpr int T = kAttentionTile;
+  const int T = tile_positions(D);
   // Per-thread scratch, bounded by the block and the tile: rounded queries, one tile of K
   // (then V) rows as float, the block's tile scores and its output accumulators.
   thread_local std::vector<float> scratch;

@@ -20,7 +20,8 @@ struct PagedKv {
   int v_dim = 0;
 };
 
-// Positions scored at a time: the kernel's scratch (per thread) is a tile, whatever n is.
+// Positions scored at a time (at most; fewer for rows wider than 128): the kernel's scratch
+// (per thread) is a tile, whatever n is.
 constexpr int kAttentionTile = 256;
 
 // For each of the n_heads query heads that share this KV head (GQA; q: n_heads rows of

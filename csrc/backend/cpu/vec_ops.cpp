@@ -49,14 +49,6 @@ void f16_to_f32_scalar(int64_t n, const uint16_t* x, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
 }
 
-void dot_rows_f32_scalar(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out) {
-  for (int h = 0; h < m; ++h) out[h] = dot_f32_scalar(n, a + h * lda, b);
-}
-
-void axpy_rows_f32_scalar(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy) {
-  for (int h = 0; h < m; ++h) axpy_f32_scalar(n, alpha[h], x, y + h * ldy);
-}
-
 void dot_block_f32_scalar(int64_t n, const float* a, int64_t lda, int rows, const float* b, int64_t ldb, int m,
                           float* s, int64_t lds) {
   for (int r = 0; r < rows; ++r)
@@ -70,7 +62,7 @@ void axpy_block_f32_scalar(int64_t n, const float* p, int64_t ldp, int rows, con
 }
 
 const VecOps kScalar = {f32_to_f16_scalar,   exp_sub_sum_scalar, silu_mul_scalar,
-                        scale_scalar,        f16_to_f32_scalar,  dot_rows_f32_scalar, axpy_rows_f32_scalar,
+                        scale_scalar,        f16_to_f32_scalar,  
                         dot_block_f32_scalar, axpy_block_f32_scalar};
 
 }  // namespace
@@ -84,8 +76,6 @@ const VecOps& vec_ops() {
     if (best_isa() == CpuIsa::Avx512) {
       static VecOps merged = *vec_ops_avx512_table();
       const VecOps& avx2 = *vec_ops_avx2_table();
-      if (!merged.dot_rows_f32) merged.dot_rows_f32 = avx2.dot_rows_f32;
-      if (!merged.axpy_rows_f32) merged.axpy_rows_f32 = avx2.axpy_rows_f32;
       if (!merged.dot_block_f32) merged.dot_block_f32 = avx2.dot_block_f32;
       if (!merged.axpy_block_f32) merged.axpy_block_f32 = avx2.axpy_block_f32;
       return static_cast<const VecOps*>(&merged);

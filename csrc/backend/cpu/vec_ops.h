@@ -16,13 +16,9 @@ struct VecOps {
   void (*scale)(int64_t n, float* y, float a);
   // y = float(x), x stored as half (exact)
   void (*f16_to_f32)(int64_t n, const uint16_t* x, float* y);
-  // out[h] = sum_i a[h * lda + i] * b[i] for h < m: m independent dots against one b (the
-  // query heads that share a K row). Each row's sum is formed the same way whatever m is.
-  void (*dot_rows_f32)(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out);
-  // y[h * ldy + i] += alpha[h] * x[i] for h < m (the heads that share a V row).
-  void (*axpy_rows_f32)(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy);
   // s[r * lds + j] = sum_i a[r * lda + i] * b[j * ldb + i] for r < rows, j < m: every query row
-  // of a prefill block against every K row of a tile (A B^T).
+  // (heads of a token, or of a prefill block) against every K row of a tile (A B^T). Each sum is
+  // formed the same way whatever rows and m are.
   void (*dot_block_f32)(int64_t n, const float* a, int64_t lda, int rows, const float* b, int64_t ldb, int m,
                         float* s, int64_t lds);
   // y[r * ldy + i] += sum_j p[r * ldp + j] * x[j * ldx + i] for r < rows, i < n: the

@@ -92,11 +92,11 @@ void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
 }
 
 // ---- attention products --------------------------------------------------------------
-// The single-query kernel (dot_rows_f32 / axpy_rows_f32) and the prefill block kernel
-// (dot_block_f32 / axpy_block_f32) compute every output with the same operations in the same
-// order, so a token's attention is bit for bit the same whichever kernel served it — a prompt
-// prefilled in chunks of any size, or decoded in a batch, gives exactly the tokens it gives
-// alone. A dot: one 8-lane FMA chain over i, the lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)),
+// Both attention kernels (single-query and prefill block) compute every output through
+// dot_block_f32 / axpy_block_f32, which form each element with the same operations in the
+// same order whatever the block shape, so a token's attention is bit for bit the same
+// whichever kernel served it — a prompt prefilled in chunks of any size, or decoded in a
+// batch, gives exactly the tokens it gives alone. A dot: one 8-lane FMA chain over i, the lanes summed as ((0+1)+(2+3))+((4+5)+(6+7)),
 // then the scalar tail. A V row: y = fma(p, x, y) in row order, the tail as y += p * x.
 
 // Eight 8-lane accumulators to their eight totals (v[p] -> lane p), in that lane order.
@@ -135,19 +135,6 @@ inline void dot_tile(int64_t n, const float* a, int64_t lda, const float* b, int
       for (int64_t i = n8; i < n; ++i) t += a[rr * lda + i] * b[jj * ldb + i];
       s[rr * lds + jj] = t;
     }
-}
-
-// m rows of a against one b (the query heads that share a K row): b as the tile's single
-// row, the heads four at a time as its columns — four independent FMA chains.
-void dot_rows_f32(int64_t n, const float* a, int64_t lda, int m, const float* b, float* out) {
-  int h = 0;
-  for (; h + 4 <= m; h += 4) dot_tile<1, 4>(n, b, 0, a + h * lda, lda, out + h, 1);
-  switch (m - h) {
-    case 1: dot_tile<1, 1>(n, b, 0, a + h * lda, lda, out + h, 1); break;
-    case 2: dot_tile<1, 2>(n, b, 0, a + h * lda, lda, out + h, 1); break;
-    case 3: dot_tile<1, 3>(n, b, 0, a + h * lda, lda, out + h, 1); break;
-    default: break;
-  }
 }
 
 template <int RB>
@@ -219,13 +206,7 @@ void axpy_block_f32(int64_t n, const float* p, int64_t ldp, int rows, const floa
   }
 }
 
-// One V row into m heads: the block product with a single row of x (ldp 1: alpha[h] is head h's).
-void axpy_rows_f32(int64_t n, const float* alpha, int m, const float* x, float* y, int64_t ldy) {
-  axpy_block_f32(n, alpha, 1, m, x, 0, 1, y, ldy);
-}
-
-const VecOps kAvx2 = {f32_to_f16,    exp_sub_sum,  silu_mul, scale, f16_to_f32, dot_rows_f32,
-                      axpy_rows_f32, dot_block_f32, axpy_block_f32};
+const VecOps kAvx2 = {f32_to_f16, exp_sub_sum, silu_mul, scale, f16_to_f32, dot_block_f32, axpy_block_f32};
 
 }  // namespace
 

@@ -85,7 +85,7 @@ void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
 
 // The attention products come from the AVX2 table (vec_ops()): single-query and block
 // attention must agree bit for bit, and they do by sharing one implementation.
-const VecOps kAvx512 = {f32_to_f16, exp_sub_sum, silu_mul, scale, f16_to_f32, nullptr, nullptr, nullptr, nullptr};
+const VecOps kAvx512 = {f32_to_f16, exp_sub_sum, silu_mul, scale, f16_to_f32, nullptr, nullptr};
 
 }  // namespace
 
