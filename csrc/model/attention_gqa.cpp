@@ -1,6 +1,6 @@
 // The GQA attention block of LlamaModel: q/k/v biases, per-head q/k RMSNorm, RoPE, K/V rows
 // into the paged cache (store_qkv), and attention over the pages (single-query or prefill-block
-// kernels, backend/cpu/attention), which the MLA block (attention_mla.cpp) shares.
+// kernels behind the backend seam), which the MLA block (attention_mla.cpp) shares.
 #include "model/llama_model.h"
 
 #include <algorithm>
@@ -8,29 +8,17 @@
 #include <cstring>
 #include <utility>
 
-#include "backend/cpu/attention.h"
-#include "backend/cpu/vec_ops.h"
 #include "core/error.h"
 #include "model/rope.h"
 #include "quant/traits.h"
 
 namespace tf {
 
-namespace {
-inline void head_rmsnorm(float* v, const float* w, int n, float eps) {
-  double sum = 0.0;
-  for (int i = 0; i < n; ++i) sum += double(v[i] * v[i]);
-  const float scale = 1.0f / std::sqrt(float(sum / double(n)) + eps);
-  for (int i = 0; i < n; ++i) v[i] = (v[i] * scale) * w[i];
-}
-}  // namespace
-
 void LlamaModel::store_qkv(const std::vector<BatchToken>& batch, int il, PagedKvCache& kv, ThreadPool& pool) {
   const LayerWeights& L = layers_[size_t(il)];
   const int64_t T = int64_t(batch.size());
   const int64_t H = local_heads_, HK = local_kv_heads_, D = cfg_.head_dim, QD = H * D, KD = HK * D;
   const int rd = cfg_.rope_dim;
-  const cpu::VecOps& ops = cpu::vec_ops();
   // Per-token: bias, q/k norm, rope, then store K/V into the sequence's pages.
   pool.parallel_for(T, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
@@ -44,20 +32,16 @@ void LlamaModel::store_qkv(const std::vector<BatchToken>& batch, int il, PagedKv
       }
       const float* cs = rope_cs_.data() + t * rd;
       for (int64_t h = 0; h < H; ++h) {
-        if (L.q_norm) head_rmsnorm(q + h * D, L.q_norm, int(D), cfg_.rms_eps);
-        rope_rotate(q + h * D, cs, rd, cfg_.rope_neox);
+        if (L.q_norm) be_.rmsnorm(q + h * D, L.q_norm, q + h * D, D, cfg_.rms_eps);
+        be_.rope(q + h * D, cs, rd, cfg_.rope_neox);
       }
       const BatchToken& bt = batch[size_t(t)];
       for (int64_t h = 0; h < HK; ++h) {
-        if (L.k_norm) head_rmsnorm(k + h * D, L.k_norm, int(D), cfg_.rms_eps);
-        rope_rotate(k + h * D, cs, rd, cfg_.rope_neox);
-        if (kv.type() == KvType::F32) {
-          std::memcpy(kv.k_row(il, bt.seq, bt.pos, int(h)), k + h * D, size_t(D) * sizeof(float));
-          std::memcpy(kv.v_row(il, bt.seq, bt.pos, int(h)), v + h * D, size_t(D) * sizeof(float));
-        } else {
-          ops.f32_to_f16(D, k + h * D, static_cast<uint16_t*>(kv.k_row(il, bt.seq, bt.pos, int(h))));
-          ops.f32_to_f16(D, v + h * D, static_cast<uint16_t*>(kv.v_row(il, bt.seq, bt.pos, int(h))));
-        }
+        if (L.k_norm) be_.rmsnorm(k + h * D, L.k_norm, k + h * D, D, cfg_.rms_eps);
+        be_.rope(k + h * D, cs, rd, cfg_.rope_neox);
+        const bool f16 = kv.type() == KvType::F16;
+        be_.store_row(k + h * D, kv.k_row(il, bt.seq, bt.pos, int(h)), D, f16);
+        be_.store_row(v + h * D, kv.v_row(il, bt.seq, bt.pos, int(h)), D, f16);
       }
     }
   });
@@ -85,7 +69,7 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
   // `group` query heads that share the KV head read its pages together. Items go in
   // contiguous runs, many more runs than threads: causal prefill's triangular cost evens out
   // because threads claim runs as they come free.
-  const int max_block = std::max(1, cpu::kAttentionBlockRows / group);
+  const int max_block = std::max(1, kAttentionBlockRows / group);
   std::vector<std::pair<int64_t, int>> blocks;  // (first token, tokens)
   for (int64_t t = 0; t < T; ++t) {
     if (!blocks.empty()) {
@@ -113,14 +97,14 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
       const int g = int(it / parts % HK);
       const int h0 = group * part / parts, h1 = group * (part + 1) / parts;  // this item's query heads
       const BatchToken& bt = batch[size_t(t)];
-      const cpu::PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
+      const PagedKv pages{kv.k_block(layer, 0, g), kv.v_block(layer, 0, g), kv.page_stride(),
                                kv.block_table(bt.seq).data(), kv.block_size(), kv.type() == KvType::F32, v_dim};
       const float* qt = q + t * q_stride + (int64_t(g) * group + h0) * head_dim;
       float* ot = out + t * out_stride + (int64_t(g) * group + h0) * v_dim;
       if (nt == 1)
-        cpu::paged_attention(qt, h1 - h0, head_dim, pages, int64_t(bt.pos) + 1, scale, ot);
+        be_.attention(qt, h1 - h0, head_dim, pages, int64_t(bt.pos) + 1, scale, ot);
       else
-        cpu::paged_attention_causal(qt, q_stride, nt, h1 - h0, head_dim, pages, bt.pos, scale, ot, out_stride);
+        be_.attention_causal(qt, q_stride, nt, h1 - h0, head_dim, pages, bt.pos, scale, ot, out_stride);
     }
   });
 }

@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "backend/cpu/vec_ops.h"
 #include "core/error.h"
 #include "model/llama_model.h"
 #include "model/rope.h"
@@ -44,7 +43,6 @@ void LlamaModel::mla_block(const std::vector<BatchToken>& batch, int il, PagedKv
   const int64_t T = int64_t(batch.size()), E = cfg_.n_embd, H = local_heads_, D = cfg_.head_dim;
   const int64_t C = cfg_.kv_lora_rank, R = cfg_.rope_dim, N = cfg_.qk_nope_dim, V = cfg_.v_head_dim;
   const int64_t QL = cfg_.q_lora_rank, CR = C + R;
-  const cpu::VecOps& ops = cpu::vec_ops();
 
   // 1. The projections of the normed input: q (through its LoRA) and the latent + rope key.
   if (QL > 0) {
@@ -61,16 +59,12 @@ void LlamaModel::mla_block(const std::vector<BatchToken>& batch, int il, PagedKv
       const float* cs = rope_cs_.data() + t * R;
       float* row = latent_.data() + t * CR;
       rmsnorm(row, L.kv_a_norm, row, 1, C);
-      rope_rotate(row + C, cs, int(R), cfg_.rope_neox);
+      be_.rope(row + C, cs, int(R), cfg_.rope_neox);
       const BatchToken& bt = batch[size_t(t)];
-      void* dst = kv.k_row(il, bt.seq, bt.pos, 0);
-      if (kv.type() == KvType::F32)
-        std::memcpy(dst, row, size_t(CR) * sizeof(float));
-      else
-        ops.f32_to_f16(CR, row, static_cast<uint16_t*>(dst));
+      be_.store_row(row, kv.k_row(il, bt.seq, bt.pos, 0), CR, kv.type() == KvType::F16);
       for (int64_t h = 0; h < H; ++h) {
         float* q = q_.data() + (t * H + h) * D;
-        rope_rotate(q + N, cs, int(R), cfg_.rope_neox);
+        be_.rope(q + N, cs, int(R), cfg_.rope_neox);
         std::memcpy(q_abs_.data() + (t * H + h) * CR + C, q + N, size_t(R) * sizeof(float));
       }
     }

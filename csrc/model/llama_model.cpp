@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "backend/cpu/vec_ops.h"
 #include "core/error.h"
 #include "model/rope.h"
 #include "quant/traits.h"
@@ -103,7 +102,7 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   auto consider = [&](const Weight& w, bool expert = false) {
     if (w.rows <= 0) return;
     const size_t l = size_t(w.layout);
-    stride[l] = std::max(stride[l], cpu::act_row_bytes(w.type, w.k));
+    stride[l] = std::max(stride[l], be_.act_row_bytes(w.type, w.k));
     if (expert) exp_layout[l] = true;
   };
   consider(output_);
@@ -123,14 +122,13 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   for (const auto& L : layers_)
     for (const Weight* w : {&L.wk_b.first, &L.wv_b.first})
       if (w->rows > 0)
-        head_stride[size_t(w->layout)] = std::max(head_stride[size_t(w->layout)], cpu::act_row_bytes(w->type, w->k));
+        head_stride[size_t(w->layout)] = std::max(head_stride[size_t(w->layout)], be_.act_row_bytes(w->type, w->k));
   for (size_t l = 0; l < kLayouts; ++l) {
     head_act_[l].stride = (head_stride[l] + 63) & ~size_t(63);
     head_act_[l].data.assign(T * size_t(local_heads_) * head_act_[l].stride, 0);
   }
   jobs_.clear();
-  jobs_.reserve(size_t(2 * std::max(cfg_.n_expert, 2) + 4));
-  job_chunk_begin_.reserve(jobs_.capacity());
+  jobs_.reserve(size_t(std::max<int64_t>(2 * std::max(cfg_.n_expert, 2), local_heads_) + 4));
   reset_expert_usage();
   if (cfg_.is_moe()) {
     const size_t NE = size_t(cfg_.n_expert), K = size_t(cfg_.n_expert_used), FE = size_t(local_ff_exp_);
@@ -152,33 +150,30 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
 }
 
 void LlamaModel::silu_mul_parts(int64_t n, int64_t split, float* g, const float* u) {
-  const cpu::VecOps& ops = cpu::vec_ops();
   if (split > 0 && split < n) {  // each TP rank's part on its own (vector body and tail as there)
-    ops.silu_mul(split, g, u, g);
-    ops.silu_mul(n - split, g + split, u + split, g + split);
+    be_.silu_mul(split, g, u, g);
+    be_.silu_mul(n - split, g + split, u + split, g + split);
   } else {
-    ops.silu_mul(n, g, u, g);
+    be_.silu_mul(n, g, u, g);
   }
 }
 
-void LlamaModel::rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const {
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xr = x + t * n;
-    float* yr = y + t * n;
-    double sum = 0.0;  // double accumulation, like ggml
-    for (int64_t i = 0; i < n; ++i) sum += double(xr[i] * xr[i]);
-    const float scale = 1.0f / std::sqrt(float(sum / double(n)) + cfg_.rms_eps);
-    for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] * scale) * w[i];
-  }
+void LlamaModel::dense_ffn(int layer, int64_t T, ThreadPool& pool) {
+  const LayerWeights& L = layers_[size_t(layer)];
+  const int64_t E = cfg_.n_embd, F = local_ff_;
+  project({{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}}, xn_.data(), T, E, pool);
+  pool.parallel_for(T, 4, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) silu_mul_parts(F, f_split_, gate_.data() + t * F, up_.data() + t * F);
+  });
+  ksplit_matmul(L.w_down, gate_.data(), T, F, f_split_, ffn_out_.data(), part_.data(), pool);
 }
 
 void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv, ThreadPool& pool,
                          float* logits) {
   const int64_t T = int64_t(batch.size());
   TF_CHECK(T > 0 && T <= max_tokens_, "batch of ", T, " tokens exceeds the reserved ", max_tokens_);
-  const int64_t E = cfg_.n_embd, F = local_ff_;
+  const int64_t E = cfg_.n_embd;
   const int rd = cfg_.rope_dim;
-  const cpu::VecOps& ops = cpu::vec_ops();
 
   // Embedding rows and the rotary angles of each token (shared by all layers).
   for (int64_t t = 0; t < T; ++t) {
@@ -206,20 +201,12 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
     for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
 
     rmsnorm(x_.data(), L.ffn_norm, xn_.data(), T, E);
-    if (L.moe) {
-      moe_ffn(il, T, pool);
-      reduce(ffn_out_.data(), T * E);
-      for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += ffn_out_[size_t(i)];
-      continue;
+    switch (L.ffn) {
+      case FfnKind::Dense: dense_ffn(il, T, pool); break;
+      case FfnKind::Moe: moe_ffn(il, T, pool); break;
     }
-    project({{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}}, xn_.data(), T, E, pool);
-    pool.parallel_for(T, 4, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t)
-        silu_mul_parts(F, f_split_, gate_.data() + t * F, up_.data() + t * F);
-    });
-    ksplit_matmul(L.w_down, gate_.data(), T, F, f_split_, xn_.data(), part_.data(), pool);
-    reduce(xn_.data(), T * E);
-    for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += xn_[size_t(i)];
+    reduce(ffn_out_.data(), T * E);
+    for (int64_t i = 0; i < T * E; ++i) x_[size_t(i)] += ffn_out_[size_t(i)];
   }
 
   // Final norm and LM head, only for the tokens whose logits are wanted.

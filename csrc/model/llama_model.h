@@ -1,24 +1,28 @@
-// Decoder-only transformer forward pass (llama / qwen2 / qwen3, dense or MoE) over a batch
-// of tokens from any number of sequences, reading and writing K/V through the paged cache.
+// Decoder-only transformer forward pass (llama / qwen2 / qwen3 / deepseek2, dense or MoE) over
+// a batch of tokens from any number of sequences, reading and writing the paged KV cache.
 // Weights are views into the mmapped GGUF; all scratch is allocated once by reserve().
 //
-// One class, one file per concern: weight_loading.cpp (the tensors of each layer),
-// tp_shard.cpp (the TP plan and this rank's slices), linear.cpp (grouped products through the
-// CPU backend), attention_gqa.cpp (the attention block), moe/moe_ffn.cpp (the MoE block),
-// llama_model.cpp (scratch, the layer loop, the dense FFN and the LM head). The architecture's
-// switches come from its row in model_config.cpp's table.
+// A layer is two blocks, each chosen by kind, never by architecture name: the attention block
+// the architecture's row names (model_config.cpp, kArchitectures: GQA in attention_gqa.cpp,
+// MLA in attention_mla.cpp; each kind states its cache rows, ModelConfig::kv_layout) and the
+// FFN block the layer's tensors name (dense here, MoE in moe/moe_ffn.cpp when the layer has a
+// router: deepseek2's leading dense layers). RMSNorm and RoPE (model/rope.*: plain, linear,
+// YaRN) sit between them. Every operation runs through the backend seam (backend/backend.h).
+// Loading is apart from the forward: weight_loading.cpp (the tensors of each block kind),
+// tp_shard.cpp (the TP plan and this rank's slices), linear.cpp (grouped products).
 //
 // Tensor parallel (TP=2): each rank holds a contiguous range of KV heads (and their query
-// heads), half of every FFN's intermediate dimension (dense, each expert, shared expert) and
-// half of the vocabulary rows of the LM head. Its slices are read with pread into private
-// buffers (the file's cached pages are dropped after), so a rank keeps only its half
-// resident; the mapping then serves only the header and embedding rows. The output
-// projection and the FFN produce partial sums, combined by one All-Reduce each.
+// heads; MLA: a range of query heads, the latent projection and cache replicated), half of
+// every FFN's intermediate dimension (dense, each expert, shared expert) and half of the
+// vocabulary rows of the LM head. Its slices are read with pread into private buffers (the
+// file's cached pages are dropped after), so a rank keeps only its half resident; the mapping
+// then serves only the header and embedding rows. The output projection and the FFN produce
+// partial sums, combined by one All-Reduce each.
 //
 // Weight types: every weight may have its own type (llama.cpp's mixes give attn_v and
 // ffn_down more bits than attn_q/attn_k, change types from layer to layer, ...). Matrices
 // multiplied with the same input (q/k/v, gate/up, experts' gate/up) are grouped by the
-// activation layout their types multiply with (cpu::act_layout): the input is quantized once
+// activation layout their types multiply with (Backend::act_layout): the input is quantized once
 // per layout the group needs, into that layout's buffer, and all products of the group run in
 // one parallel section.
 #pragma once
@@ -26,7 +30,7 @@
 #include <memory>
 #include <vector>
 
-#include "backend/cpu/kernels.h"
+#include "backend/backend.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "gguf/gguf_reader.h"
@@ -35,15 +39,6 @@
 #include "model/model_config.h"
 
 namespace tf {
-
-// A 2-D weight matrix: `rows` rows of `k` elements, row-major in the file.
-struct Weight {
-  GgmlType type = GgmlType::F32;
-  cpu::ActLayout layout = cpu::ActLayout::F32;  // of the activations it multiplies with
-  int64_t k = 0, rows = 0;
-  const uint8_t* data = nullptr;
-  size_t row_stride = 0;
-};
 
 // A 3-D expert tensor: n_expert matrices of `rows` x `k`, expert e at data + e * expert_stride.
 struct ExpertWeight {
@@ -56,6 +51,8 @@ struct ExpertWeight {
     return w;
   }
 };
+
+enum class FfnKind { Dense, Moe };
 
 struct LayerWeights {
   const float* attn_norm = nullptr;
@@ -71,22 +68,12 @@ struct LayerWeights {
   const float* ffn_norm = nullptr;
   Weight w_gate, w_up, w_down;          // dense FFN (absent in MoE layers)
   // MoE FFN
-  bool moe = false;
+  FfnKind ffn = FfnKind::Dense;         // MoE where the layer has a router (leading dense layers)
   Weight router;                        // [n_expert rows x n_embd]
   const float* selection_bias = nullptr;  // exp_probs_b
   ExpertWeight gate_exps, up_exps, down_exps;
   Weight gate_shexp, up_shexp, down_shexp;  // shared expert (rows == 0: none)
   const float* shexp_gate = nullptr;    // qwen2moe: sigmoid gate of the shared expert
-};
-
-// One matrix product of a batch: y[c * ldy + r] = W[r] . xq[c] for the rows of W.
-struct MatmulJob {
-  Weight w;
-  const uint8_t* xq;
-  size_t xq_stride;
-  int64_t ncols;
-  float* y;
-  int64_t ldy;
 };
 
 struct BatchToken {
@@ -140,7 +127,7 @@ class LlamaModel {
                float* logits);
 
  private:
-  static constexpr size_t kLayouts = 3;  // cpu::ActLayout values
+  static constexpr size_t kLayouts = kActLayouts;
   // Quantized activation rows of one layout, `stride` bytes apart.
   struct ActBuf {
     std::vector<uint8_t> data;
@@ -185,10 +172,14 @@ class LlamaModel {
   void ksplit_matmul(const Weight& w, const float* x, int64_t T, int64_t ldx, int64_t split, float* y,
                      float* scratch, ThreadPool& pool);
   void plan_splits();
-  // Runs every job in one parallel section (each thread takes a share of each job's rows).
-  void run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool);
-  void moe_ffn(int layer, int64_t T, ThreadPool& pool);  // xn_ -> adds into x_
-  void rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const;
+  void run_jobs(const std::vector<MatmulJob>& jobs, ThreadPool& pool) { be_.matmul(jobs.data(), jobs.size(), pool); }
+  // The FFN blocks: xn_ in, this rank's (partial) output in ffn_out_.
+  void dense_ffn(int layer, int64_t T, ThreadPool& pool);
+  void moe_ffn(int layer, int64_t T, ThreadPool& pool);
+  // T rows of n values (y may be x).
+  void rmsnorm(const float* x, const float* w, float* y, int64_t T, int64_t n) const {
+    for (int64_t t = 0; t < T; ++t) be_.rmsnorm(x + t * n, w, y + t * n, n, cfg_.rms_eps);
+  }
   // g = silu(g) * u over n values; split > 0: the two parts separately, as TP=2's ranks do.
   void silu_mul_parts(int64_t n, int64_t split, float* g, const float* u);
   // q_/k_/v_ of a layer's batch: biases, q/k norms and RoPE applied, K/V rows into the cache.
@@ -210,6 +201,7 @@ class LlamaModel {
   void head_project(const ExpertWeight& w, const float* x, int64_t T, int64_t ldx, int64_t hx, float* y,
                     int64_t ldy, int64_t hy, ThreadPool& pool);
 
+  const Backend& be_ = cpu_backend();  // every operation of the forward pass goes through it
   std::shared_ptr<GgufFile> file_;
   ModelConfig cfg_;
   Weight tok_embd_, output_;
@@ -249,7 +241,6 @@ class LlamaModel {
   std::vector<int32_t> slot_of_;        // [T * n_used] -> row in expert order
   ActBuf exp_act_[kLayouts];  // gathered in expert order
   std::vector<MatmulJob> jobs_;
-  std::vector<int64_t> job_chunk_begin_;  // run_jobs: first chunk of each job (reused)
   std::vector<std::vector<int64_t>> expert_usage_;
   bool tracing_ = false;
   std::vector<std::vector<int32_t>> trace_;

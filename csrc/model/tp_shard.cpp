@@ -178,7 +178,7 @@ void LlamaModel::shard_weights() {
     b = r == 0 ? c : n;
   };
   int64_t f0 = 0, f1 = 0, e0 = 0, e1 = 0;
-  if (std::any_of(layers_.begin(), layers_.end(), [](const LayerWeights& L) { return !L.moe; }))
+  if (std::any_of(layers_.begin(), layers_.end(), [](const LayerWeights& L) { return L.ffn == FfnKind::Dense; }))
     range(cfg_.n_ff, need(f_split_, "the FFN width"), f0, f1);
   if (cfg_.is_moe() && !expert_parallel_) range(cfg_.n_ff_exp, need(fe_split_, "the expert FFN width"), e0, e1);
   if (expert_parallel_) {
@@ -212,7 +212,7 @@ void LlamaModel::shard_weights() {
       L.wo = slice_cols(L.wo, q0 * D, (q0 + local_heads_) * D);
       count(L.wq); count(L.wk); count(L.wv); count(L.wo);
     }
-    if (L.moe) {
+    if (L.ffn == FfnKind::Moe) {
       if (expert_parallel_) {
         L.gate_exps = slice_experts(L.gate_exps, exp_lo_, exp_hi_);
         L.up_exps = slice_experts(L.up_exps, exp_lo_, exp_hi_);

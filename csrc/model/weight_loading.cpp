@@ -56,7 +56,7 @@ Weight LlamaModel::load_weight(const std::string& name, int64_t k, int64_t rows,
   if (!compute) dequant_of(*file_, *t);
   Weight w;
   w.type = t->type();
-  if (compute) w.layout = cpu::act_layout(w.type);
+  if (compute) w.layout = be_.act_layout(w.type);
   w.k = k;
   w.rows = rows;
   w.data = t->data;
@@ -74,7 +74,7 @@ ExpertWeight LlamaModel::load_experts(const std::string& name, int64_t k, int64_
   if (!t->type_supported) not_computable(*file_, *t);
   ExpertWeight w;
   w.first.type = t->type();
-  w.first.layout = cpu::act_layout(w.first.type);
+  w.first.layout = be_.act_layout(w.first.type);
   w.first.k = k;
   w.first.rows = rows;
   w.first.data = t->data;
@@ -192,7 +192,7 @@ void LlamaModel::split_kv_b(LayerWeights& L, const std::string& name) {
     }
   Weight& k = L.wk_b.first;
   k.type = GgmlType::F32;
-  k.layout = cpu::act_layout(k.type);
+  k.layout = be_.act_layout(k.type);
   k.k = N;
   k.rows = C;
   k.data = reinterpret_cast<const uint8_t*>(wkb);
@@ -224,8 +224,9 @@ LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file
       case AttentionKind::Mla: load_mla(L, p); break;
     }
     L.ffn_norm = load_vector(p + "ffn_norm.weight", E);
-    L.moe = cfg_.is_moe() && file_->find_tensor(p + "ffn_gate_inp.weight") != nullptr;
-    if (L.moe) {
+    const bool routed = cfg_.is_moe() && file_->find_tensor(p + "ffn_gate_inp.weight") != nullptr;
+    L.ffn = routed ? FfnKind::Moe : FfnKind::Dense;
+    if (routed) {
       const int64_t NE = cfg_.n_expert, FE = cfg_.n_ff_exp;
       L.router = load_weight(p + "ffn_gate_inp.weight", E, NE);
       L.selection_bias = load_vector(p + "exp_probs_b.bias", NE, false);

@@ -7,8 +7,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "backend/cpu/kernels.h"
-#include "backend/cpu/vec_ops.h"
 #include "core/error.h"
 #include "moe/router.h"
 #include "quant/traits.h"
@@ -67,7 +65,6 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
                      exp_up_.data() + off * FE, FE});
   }
   run_jobs(jobs_, pool);
-  const cpu::VecOps& ops = cpu::vec_ops();
   pool.parallel_for(R, 4, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) silu_mul_parts(FE, fe_split_, exp_gate_.data() + r * FE, exp_up_.data() + r * FE);
   });
