@@ -49,7 +49,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_synthetic_moe import (F16, F32, QK_K, W_STD, RowSource, byte_level_tokenizer,  # noqa: E402
-                                default_f32, tensor_nbytes, type_summary, write_tensors)
+                                default_f32, tensor_nbytes, type_summary, warn_if_in_repository,
+                                write_tensors)
 
 ARCH = "deepseek2"
 GATING_SIGMOID = 2  # llama_expert_gating_func_type / gguf.ExpertGatingFuncType.SIGMOID
@@ -248,8 +249,7 @@ def main() -> int:
             a.layers = 4
     if a.layers <= a.dense_layers:
         ap.error("--layers must exceed --dense-layers (at least one MoE layer)")
-    if os.path.abspath(a.output).startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep):
-        print("warning: writing a large GGUF inside the repository; /tmp is the place for it", file=sys.stderr)
+    warn_if_in_repository(a.output)
     write(a)
     return 0
 

@@ -320,6 +320,11 @@ def write(a: argparse.Namespace) -> None:
     print("  " + type_summary(specs))
 
 
+def warn_if_in_repository(path: str) -> None:
+    if os.path.abspath(path).startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep):
+        print("warning: writing a large GGUF inside the repository; /tmp is the place for it", file=sys.stderr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--output", required=True, help="GGUF path to write (put it under /tmp)")
@@ -358,8 +363,7 @@ def main() -> int:
         a.layers = pick_layers(a)
     if a.layers < 1:
         ap.error("--layers must be >= 1")
-    if os.path.abspath(a.output).startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep):
-        print("warning: writing a large GGUF inside the repository; /tmp is the place for it", file=sys.stderr)
+    warn_if_in_repository(a.output)
     write(a)
     return 0
 

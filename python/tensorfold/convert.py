@@ -1082,11 +1082,10 @@ def _chat_template(hf_dir: str, tcfg: dict) -> str | None:
 # model metadata
 
 
-def _model_kv(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]:
-    if p.mla is not None:
-        return _model_kv_deepseek2(p, name, outtype)
-    a = p.arch
-    kv: list[tuple[str, str, Any]] = [
+def _base_kv(p: _Params, a: str, name: str, outtype: str, *, n_head_kv: int,
+             rope_dim: int) -> list[tuple[str, str, Any]]:
+    """The keys every architecture writes."""
+    return [
         ("general.name", "str", name),
         ("general.file_type", "u32", _FILE_TYPE[outtype]),
         (f"{a}.vocab_size", "u32", p.n_vocab),
@@ -1095,11 +1094,18 @@ def _model_kv(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]
         (f"{a}.block_count", "u32", p.n_layer),
         (f"{a}.feed_forward_length", "u32", p.n_ff),
         (f"{a}.attention.head_count", "u32", p.n_head),
-        (f"{a}.attention.head_count_kv", "u32", p.n_head_kv),
+        (f"{a}.attention.head_count_kv", "u32", n_head_kv),
         (f"{a}.attention.layer_norm_rms_epsilon", "f32", p.rms_eps),
         (f"{a}.rope.freq_base", "f32", p.rope_base),
-        (f"{a}.rope.dimension_count", "u32", p.head_dim),
+        (f"{a}.rope.dimension_count", "u32", rope_dim),
     ]
+
+
+def _model_kv(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]:
+    if p.mla is not None:
+        return _model_kv_deepseek2(p, name, outtype)
+    a = p.arch
+    kv = _base_kv(p, a, name, outtype, n_head_kv=p.n_head_kv, rope_dim=p.head_dim)
     if p.head_dim * p.n_head != p.n_embd:
         kv += [(f"{a}.attention.key_length", "u32", p.head_dim),
                (f"{a}.attention.value_length", "u32", p.head_dim)]
@@ -1124,20 +1130,7 @@ def _model_kv_deepseek2(p: _Params, name: str, outtype: str) -> list[tuple[str, 
     m = p.mla
     assert m is not None
     a = "deepseek2"
-    kv: list[tuple[str, str, Any]] = [
-        ("general.name", "str", name),
-        ("general.file_type", "u32", _FILE_TYPE[outtype]),
-        (f"{a}.vocab_size", "u32", p.n_vocab),
-        (f"{a}.context_length", "u32", p.n_ctx),
-        (f"{a}.embedding_length", "u32", p.n_embd),
-        (f"{a}.block_count", "u32", p.n_layer),
-        (f"{a}.feed_forward_length", "u32", p.n_ff),
-        (f"{a}.attention.head_count", "u32", p.n_head),
-        (f"{a}.attention.head_count_kv", "u32", 1),  # the shared latent
-        (f"{a}.attention.layer_norm_rms_epsilon", "f32", p.rms_eps),
-        (f"{a}.rope.freq_base", "f32", p.rope_base),
-        (f"{a}.rope.dimension_count", "u32", m.qk_rope),
-    ]
+    kv = _base_kv(p, a, name, outtype, n_head_kv=1, rope_dim=m.qk_rope)  # one KV head: the shared latent
     if p.rope_scaling:
         kv += [(f"{a}.rope.scaling.{k}", t, v) for k, t, v in p.rope_scaling]
     if m.yarn_log_mul is not None:
