@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "bindings/bindings.h"
+#include "core/error.h"
 #include "core/interrupt.h"
 #include "engine/engine.h"
 
@@ -31,13 +32,64 @@ KvType kv_type_of(const std::string& kv_type) {
 }
 }  // namespace
 
+namespace {
+py::dict memory_plan_dict(const MemoryPlan& p) {
+  py::dict d;
+  d["tp_size"] = p.tp_size;
+  d["tp_rank"] = p.tp_rank;
+  d["context"] = p.context;
+  d["kv_tokens"] = p.kv_tokens;
+  d["max_batch_tokens"] = p.max_batch_tokens;
+  d["kv_bytes_per_token"] = p.kv_bytes_per_token;
+  d["weights"] = p.weights;
+  d["kv"] = p.kv;
+  d["scratch"] = p.scratch;
+  d["comm"] = p.comm;
+  d["margin"] = p.margin;
+  d["total"] = p.total();
+  d["budget"] = p.budget;
+  d["budget_source"] = p.budget_source;
+  d["fits"] = p.fits();
+  d["max_kv_tokens"] = p.max_kv_tokens;
+  d["table"] = p.table();
+  return d;
+}
+}  // namespace
+
 void bind_engine(py::module_& m) {
+  m.def(
+      "plan_memory",
+      [](const std::string& path, int64_t context, int64_t kv_tokens, int max_batch_tokens, const std::string& kv_type,
+         int tp_size, int tp_rank, int64_t memory_budget) {
+        EngineOptions o;
+        o.context = context;
+        o.kv_tokens = kv_tokens;
+        o.max_batch_tokens = max_batch_tokens;
+        o.kv_type = kv_type_of(kv_type);
+        o.tp.size = tp_size;
+        o.tp.rank = tp_rank;
+        o.memory_budget = memory_budget;
+        TF_CHECK(tp_size == 1 || tp_size == 2, "tp must be 1 or 2, got ", tp_size);
+        TF_CHECK(tp_rank >= 0 && tp_rank < tp_size, "rank ", tp_rank, " is out of range for tp ", tp_size);
+        MemoryPlan p;
+        {
+          py::gil_scoped_release nogil;
+          p = plan_memory(GgufFile::open(path), o);
+        }
+        return memory_plan_dict(p);
+      },
+      py::arg("path"), py::arg("context") = 0, py::arg("kv_tokens") = 0, py::arg("max_batch_tokens") = 512,
+      py::arg("kv_type") = "f16", py::arg("tp") = 1, py::arg("rank") = 0, py::arg("memory_budget") = 0,
+      "The memory plan an engine with these options would have on this rank (nothing allocated).");
+
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& path, int threads, int64_t kv_tokens, int64_t context,
                        int max_batch_tokens, const std::string& kv_type, int tp_size, int tp_rank,
                        const std::string& tp_addr, const std::vector<std::string>& tp_rails,
-                       double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg) {
+                       double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg,
+                       int64_t memory_budget) {
              EngineOptions o;
+             o.memory_budget = memory_budget;
              o.tp.compatible = tp_compatible;
              o.tp.size = tp_size;
              o.tp.rank = tp_rank;
@@ -58,7 +110,10 @@ void bind_engine(py::module_& m) {
            py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16", py::arg("tp_size") = 1,
            py::arg("tp_rank") = 0, py::arg("tp_addr") = "", py::arg("tp_rails") = std::vector<std::string>{},
            py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false, py::arg("tp_token") = py::none(),
-           "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none)")
+           py::arg("memory_budget") = 0,
+           "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none); memory_budget: "
+           "bytes this rank may use (0: the memory available now; < 0: no budget)")
+      .def_property_readonly("memory_plan", [](const Engine& e) { return memory_plan_dict(e.memory_plan()); })
       .def_static(
           "_tp_identity",
           [](const std::string& path, int tp_size, int64_t context, int64_t kv_tokens, int max_batch_tokens,

@@ -19,8 +19,6 @@ namespace tf {
 namespace {
 constexpr int64_t kCmdForward = 1, kCmdShutdown = 2, kCmdPing = 3;
 constexpr int kLeaderGroupRank = 1;  // engine rank 0 is group rank 1 (engine rank 1 listens)
-constexpr int kKvBlockSize = 16;
-constexpr int kMaxLogitRows = 64;  // logits rows one step may produce (= max sequences per step)
 
 std::string gib(double bytes) {
   std::ostringstream os;
@@ -66,54 +64,10 @@ const char* finish_reason_name(FinishReason r) {
   }
 }
 
-Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
-  // Options that need no model are checked before anything is opened or allocated.
-  TF_CHECK(opts.threads >= 0 && opts.threads <= 1024, "threads = ", opts.threads,
-           " is out of range (1..1024, or 0 for the usable CPUs)");
-  TF_CHECK(opts.max_batch_tokens >= 1, "max_batch_tokens must be >= 1, got ", opts.max_batch_tokens);
-  TF_CHECK(opts.context >= 0 && opts.context <= kMaxContext, "context = ", opts.context,
-           " is out of range (2..", kMaxContext, ", or 0 for the model's)");
-  TF_CHECK(opts.kv_tokens >= 0, "kv_tokens must be >= 0 (0: automatic), got ", opts.kv_tokens);
-  if (opts.kv_tokens > kMaxKvTokens)
-    fail(ErrorKind::InvalidInput, "kv_tokens = ", opts.kv_tokens, " is above the limit of ", kMaxKvTokens,
-         " tokens; lower kv_tokens");
-  file_ = GgufFile::open(model_path);
-  tp_ = opts.tp;
-  TF_CHECK(tp_.size == 1 || tp_.size == 2, "tensor parallel size must be 1 or 2, got ", tp_.size);
-  TF_CHECK(tp_.rank >= 0 && tp_.rank < tp_.size, "TP rank ", tp_.rank, " is out of range for size ", tp_.size);
-  TpShard shard;
-  shard.tp_compatible = tp_.compatible;
-  if (tp_.size == 2) {
-    TF_CHECK(!tp_.addr.empty(), "TP=2 needs the peer address (HOST:PORT)");
-    comm::GroupOptions g;
-    g.rank = (tp_.rank + 1) % 2;
-    g.size = 2;
-    g.addr = tp_.addr;
-    g.rails = tp_.rails;
-    g.timeout_s = tp_.timeout_s;
-    g.handshake = tp_identity(*file_, opts);
-    g.token = tp_.token;
-    group_ = comm::Group::create(g);
-    shard.rank = tp_.rank;
-    shard.size = 2;
-    shard.group = group_.get();
-    shard.group_rank_offset = 1;
-  }
-  model_ = std::make_unique<LlamaModel>(file_, shard);
+void Engine::check_sizes(const EngineOptions& opts, int64_t n_blocks) const {
+  // Sizes that cannot work on this machine at all (or overflow), named one by one, before
+  // the plan is weighed against the budget.
   const ModelConfig& c = model_->config();
-  const int threads = opts.threads > 0 ? opts.threads : usable_cpus();
-  context_ = opts.context > 0 ? opts.context : std::min<int64_t>(c.n_ctx_train > 0 ? c.n_ctx_train : 4096, 8192);
-  TF_CHECK(context_ >= 2 && context_ <= kMaxContext, "context = ", context_, " is out of range (2..", kMaxContext,
-           ")");
-  const int64_t kv_tokens = opts.kv_tokens > 0 ? opts.kv_tokens : std::max<int64_t>(context_, 4096);
-  if (kv_tokens < context_)
-    fail(ErrorKind::InvalidInput, "kv_tokens (", kv_tokens, ") must be at least the context (", context_,
-         ") so that one full-length sequence fits; raise kv_tokens or lower context");
-  // A bigger step budget only costs scratch memory: no step needs more than the context.
-  max_batch_tokens_ = int(std::min<int64_t>({int64_t(opts.max_batch_tokens), int64_t(kMaxBatchTokens), context_}));
-  const int64_t n_blocks = (kv_tokens + kKvBlockSize - 1) / kKvBlockSize;
-
-  // Memory plan of the KV pool, every product checked, before anything is allocated.
   const KvLayout layout = model_->kv_layout();
   const uint64_t per_token = PagedKvCache::bytes_per_token(c.n_layer, layout, opts.kv_type);
   const int elem = opts.kv_type == KvType::F32 ? 4 : 2;
@@ -147,7 +101,64 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     fail(ErrorKind::OutOfMemory, "activation scratch for ", max_batch_tokens_, " tokens per step (",
          gib(scratch), ") and the KV cache (", gib(double(pool_bytes)), ") exceed this machine's ",
          gib(double(limit)), " of memory; lower max_batch_tokens, kv_tokens or context");
-  kv_ = std::make_unique<PagedKvCache>(c.n_layer, layout, kKvBlockSize, n_blocks, opts.kv_type);
+}
+
+Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
+  // Options that need no model are checked before anything is opened or allocated.
+  TF_CHECK(opts.threads >= 0 && opts.threads <= 1024, "threads = ", opts.threads,
+           " is out of range (1..1024, or 0 for the usable CPUs)");
+  TF_CHECK(opts.max_batch_tokens >= 1, "max_batch_tokens must be >= 1, got ", opts.max_batch_tokens);
+  TF_CHECK(opts.context >= 0 && opts.context <= kMaxContext, "context = ", opts.context,
+           " is out of range (2..", kMaxContext, ", or 0 for the model's)");
+  TF_CHECK(opts.kv_tokens >= 0, "kv_tokens must be >= 0 (0: automatic), got ", opts.kv_tokens);
+  if (opts.kv_tokens > kMaxKvTokens)
+    fail(ErrorKind::InvalidInput, "kv_tokens = ", opts.kv_tokens, " is above the limit of ", kMaxKvTokens,
+         " tokens; lower kv_tokens");
+  file_ = GgufFile::open(model_path);
+  tp_ = opts.tp;
+  TF_CHECK(tp_.size == 1 || tp_.size == 2, "tensor parallel size must be 1 or 2, got ", tp_.size);
+  TF_CHECK(tp_.rank >= 0 && tp_.rank < tp_.size, "TP rank ", tp_.rank, " is out of range for size ", tp_.size);
+  TpShard shard;
+  shard.tp_compatible = tp_.compatible;
+  // The model's geometry and this rank's bytes first, from views of the file (TP=2: the slice
+  // sizes, nothing read, no peer needed): the whole memory plan is checked before any large
+  // allocation, before a TP pair even connects. At TP=1 this model is the one that runs.
+  TpShard planning = shard;
+  planning.size = tp_.size;
+  planning.rank = tp_.rank;
+  planning.plan_only = tp_.size > 1;
+  model_ = std::make_unique<LlamaModel>(file_, planning);
+  const ModelConfig c = model_->config();  // a copy: at TP=2 the planning model is replaced below
+  const int threads = opts.threads > 0 ? opts.threads : usable_cpus();
+  const EngineGeometry geometry = resolve_geometry(c, opts);
+  context_ = geometry.context;
+  max_batch_tokens_ = geometry.max_batch_tokens;
+  const int64_t n_blocks = geometry.kv_tokens / kKvBlockSize;
+  check_sizes(opts, n_blocks);
+  memory_plan_ = plan_memory(*model_, geometry, opts);
+  if (!memory_plan_.fits())
+    fail(ErrorKind::OutOfMemory, "the memory plan of this engine exceeds its budget (", memory_plan_.budget_source,
+         "); lower kv_tokens, context or max_batch_tokens, or raise memory_budget:\n", memory_plan_.table());
+  if (tp_.size == 2) {
+    TF_CHECK(!tp_.addr.empty(), "TP=2 needs the peer address (HOST:PORT)");
+    comm::GroupOptions g;
+    g.rank = (tp_.rank + 1) % 2;
+    g.size = 2;
+    g.addr = tp_.addr;
+    g.rails = tp_.rails;
+    g.timeout_s = tp_.timeout_s;
+    g.handshake = tp_identity(*file_, opts);
+    g.token = tp_.token;
+    group_ = comm::Group::create(g);
+    shard.rank = tp_.rank;
+    shard.size = 2;
+    shard.group = group_.get();
+    shard.group_rank_offset = 1;
+  }
+  if (tp_.size == 2) model_ = std::make_unique<LlamaModel>(file_, shard);  // reads this rank's slices
+  else file_->prefault();  // the mapped weights resident now, as planned, not page by page while serving
+  kv_ = std::make_unique<PagedKvCache>(c.n_layer, model_->kv_layout(), kKvBlockSize, n_blocks, opts.kv_type);
+  kv_->prefault();
   pool_ = std::make_unique<ThreadPool>(threads);
   // Ctrl-C may stop a local forward (TP=1) or the follower (which then exits), but never
   // rank 0 of a TP pair mid-collective: that would desynchronise the pair.

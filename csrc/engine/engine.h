@@ -24,6 +24,7 @@
 #include "engine/sampler.h"
 #include "gguf/gguf_reader.h"
 #include "kv/paged_kv_cache.h"
+#include "engine/memory_plan.h"
 #include "model/llama_model.h"
 
 namespace tf {
@@ -45,6 +46,9 @@ struct EngineOptions {
   int max_batch_tokens = 512;  // token budget of one step (prefill chunk size); capped
                                // at kMaxBatchTokens and the context
   KvType kv_type = KvType::F16;
+  // Bytes this rank may use (the memory plan is checked against it before anything is
+  // allocated); 0: the memory available now; < 0: no budget.
+  int64_t memory_budget = 0;
   TpOptions tp;
 };
 
@@ -116,6 +120,7 @@ class Engine {
   void follow();
   comm::GroupStats comm_stats() const;
   uint64_t weight_bytes() const { return model_->weight_bytes(); }
+  const MemoryPlan& memory_plan() const { return memory_plan_; }
   // What both TP ranks must agree on (model file and engine geometry), checked at connect.
   static std::string tp_identity(const GgufFile& f, const EngineOptions& o);
 
@@ -136,6 +141,7 @@ class Engine {
   void logits_locked(const std::vector<int32_t>& ids, float* out);
   // TP follower: checks plan_ field by field, fills batch_ and mirrors the block tables.
   void apply_plan();
+  void check_sizes(const EngineOptions& opts, int64_t n_blocks) const;
   // Rank 0: runs one forward on every rank (plan broadcast first under TP).
   void run_forward(const std::vector<BatchToken>& batch, float* logits);
   void send_command(int64_t cmd, const std::vector<int32_t>& payload);
@@ -151,6 +157,7 @@ class Engine {
   int64_t context_ = 0;
   int max_batch_tokens_ = 512;
   int64_t next_id_ = 1;
+  MemoryPlan memory_plan_;              // checked against the budget before any allocation
   std::map<int64_t, std::unique_ptr<Sequence>> seqs_;  // ordered by arrival (id)
   std::vector<BatchToken> batch_;
   std::vector<Sequence*> batch_owner_;

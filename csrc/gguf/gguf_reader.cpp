@@ -15,6 +15,8 @@
 // validates the other parts and merges their tensor tables into the first part's object.
 #include "gguf/gguf_reader.h"
 
+#include "core/interrupt.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -868,6 +870,20 @@ bool GgufFile::get_bool(const std::string& key, bool def) const {
 void GgufFile::advise_random() const {
   for (const GgufPart& part : parts_)
     if (part.base && part.size > 0) madvise(const_cast<uint8_t*>(part.base), size_t(part.size), MADV_RANDOM);
+}
+
+void GgufFile::prefault() const {
+  for (const GgufPart& part : parts_) {
+    if (!part.base || part.size == 0) continue;
+    madvise(const_cast<uint8_t*>(part.base), size_t(part.size), MADV_WILLNEED);  // read ahead
+    const long page = sysconf(_SC_PAGE_SIZE) > 0 ? sysconf(_SC_PAGE_SIZE) : 4096;
+    volatile uint8_t sink = 0;
+    for (uint64_t off = 0; off < part.size; off += uint64_t(page)) {
+      if ((off & ((uint64_t(1) << 30) - 1)) == 0) check_interrupt();  // Ctrl-C between gigabytes
+      sink = sink + part.base[off];
+    }
+    (void)sink;
+  }
 }
 
 std::pair<const GgufPart*, uint64_t> GgufFile::locate(const uint8_t* p, uint64_t n) const {

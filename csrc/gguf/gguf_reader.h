@@ -110,6 +110,8 @@ class GgufFile {
   // Random-access hint for every mapping: no read-ahead and no fault-around, so a process
   // that reads only some tensor ranges (a TP rank) maps only the pages it touches.
   void advise_random() const;
+  // Faults every page of every part in (reads one byte a page), so the mapping is resident.
+  void prefault() const;
   // Throws tf::Error (InvalidInput) when a file under the mappings shrank or was modified
   // since open (size or mtime differ): reading it further could SIGBUS or give other bytes
   // than were validated. One fstat() per part; meant to be called between requests.

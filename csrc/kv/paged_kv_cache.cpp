@@ -1,3 +1,4 @@
+#include <cstring>
 #include "kv/paged_kv_cache.h"
 
 #include <cstddef>
@@ -123,6 +124,10 @@ void* PagedKvCache::v_row(int layer, int seq, int64_t pos, int kv_head) {
   const int32_t block = tables_[size_t(seq)][size_t(pos / block_size_)];
   const size_t width = size_t(layout_.v_dim > 0 ? layout_.v_dim : layout_.k_dim);
   return static_cast<uint8_t*>(v_block(layer, block, kv_head)) + size_t(pos % block_size_) * width * elem_size();
+}
+
+void PagedKvCache::prefault() {
+  std::memset(storage_.get(), 0, bytes());
 }
 
 }  // namespace tf

@@ -40,6 +40,9 @@ class PagedKvCache {
   int64_t n_blocks() const { return n_blocks_; }
   int64_t free_blocks() const { return int64_t(free_list_.size()); }
   size_t bytes() const { return n_elems_ * elem_size(); }
+  // Touches every page of the pool now (the memory plan counts it resident from the start;
+  // nothing is faulted in while serving).
+  void prefault();
 
   // Sequence slots. A slot owns the blocks listed in its block table. create_sequence
   // returns -1 when max_seqs() slots are in use.
@@ -81,8 +84,7 @@ class PagedKvCache {
   int block_size_;
   int64_t n_blocks_;
   KvType type_;
-  // Left uninitialised: pages are touched only when a block is first written, so a large
-  // pool costs nothing at start-up.
+  // Uninitialised until prefault() touches it.
   std::unique_ptr<uint8_t[]> storage_;
   size_t n_elems_ = 0;
   std::vector<int32_t> free_list_;

@@ -66,35 +66,44 @@ double LlamaModel::scratch_bytes(int64_t max_tokens) const {
   return bytes;
 }
 
-void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
+uint64_t LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads, bool count_only) {
   TF_CHECK(max_tokens > 0 && max_ctx > 0 && n_threads > 0, "invalid scratch sizes");
-  max_tokens_ = max_tokens;
-  max_ctx_ = max_ctx;
-  n_threads_ = n_threads;
+  // Every buffer goes through take(): allocated (zeroed, so resident), or only counted.
+  uint64_t bytes = 0;
+  auto take = [&](auto& vec, size_t n) {
+    using V = typename std::decay_t<decltype(vec)>::value_type;
+    bytes += uint64_t(n) * sizeof(V);
+    if (!count_only) vec.assign(n, V{});
+  };
+  if (!count_only) {
+    max_tokens_ = max_tokens;
+    max_ctx_ = max_ctx;
+    n_threads_ = n_threads;
+  }
   const size_t T = size_t(max_tokens);
   const size_t E = size_t(cfg_.n_embd), QD = size_t(local_heads_) * size_t(cfg_.head_dim),
                KD = size_t(local_kv_heads_) * size_t(cfg_.head_dim), F = size_t(local_ff_);
-  ffn_out_.assign(T * E, 0.f);
-  ffn_out2_.assign(T * E, 0.f);
-  part_.assign(T * E, 0.f);
-  if (tp_.size > 1) logits_local_.assign(size_t(kMaxLogitRows) * size_t(cfg_.n_vocab - vocab_begin_), 0.f);
-  x_.assign(T * E, 0.f);
-  xn_.assign(T * E, 0.f);
-  q_.assign(T * QD, 0.f);
-  k_.assign(T * KD, 0.f);
-  v_.assign(T * KD, 0.f);
-  attn_.assign(T * std::max(QD, size_t(local_heads_) * size_t(cfg_.v_head_dim)), 0.f);
+  take(ffn_out_, T * E);
+  take(ffn_out2_, T * E);
+  take(part_, T * E);
+  if (tp_.size > 1) take(logits_local_, size_t(kMaxLogitRows) * size_t(cfg_.n_vocab - vocab_begin_));
+  take(x_, T * E);
+  take(xn_, T * E);
+  take(q_, T * QD);
+  take(k_, T * KD);
+  take(v_, T * KD);
+  take(attn_, T * std::max(QD, size_t(local_heads_) * size_t(cfg_.v_head_dim)));
   if (cfg_.attention == AttentionKind::Mla) {
     const size_t H = size_t(local_heads_), C = size_t(cfg_.kv_lora_rank), CR = C + size_t(cfg_.rope_dim);
-    q_lora_.assign(T * size_t(cfg_.q_lora_rank), 0.f);
-    latent_.assign(T * CR, 0.f);
-    q_abs_.assign(T * H * CR, 0.f);
-    o_latent_.assign(T * H * C, 0.f);
+    take(q_lora_, T * size_t(cfg_.q_lora_rank));
+    take(latent_, T * CR);
+    take(q_abs_, T * H * CR);
+    take(o_latent_, T * H * C);
   }
   const size_t FW = std::max(F, size_t(shexp_width_));  // dense or shared-expert FFN width
-  gate_.assign(T * FW, 0.f);
-  up_.assign(T * FW, 0.f);
-  rope_cs_.assign(T * size_t(cfg_.rope_dim), 0.f);
+  take(gate_, T * FW);
+  take(up_, T * FW);
+  take(rope_cs_, T * size_t(cfg_.rope_dim));
   // One activation buffer per layout, rows as wide as the widest input of that layout; the
   // gathered expert buffers only for the layouts the experts use.
   size_t stride[kLayouts] = {};
@@ -114,8 +123,8 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
   }
   for (size_t l = 0; l < kLayouts; ++l) {
     act_[l].stride = exp_act_[l].stride = (stride[l] + 63) & ~size_t(63);
-    act_[l].data.assign(T * act_[l].stride, 0);
-    exp_act_[l].data.clear();
+    take(act_[l].data, T * act_[l].stride);
+    if (!count_only) exp_act_[l].data.clear();
   }
   // MLA's per-head products: T x heads rows for the layouts W_kb and W_vb use.
   size_t head_stride[kLayouts] = {};
@@ -125,28 +134,31 @@ void LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads) {
         head_stride[size_t(w->layout)] = std::max(head_stride[size_t(w->layout)], be_.act_row_bytes(w->type, w->k));
   for (size_t l = 0; l < kLayouts; ++l) {
     head_act_[l].stride = (head_stride[l] + 63) & ~size_t(63);
-    head_act_[l].data.assign(T * size_t(local_heads_) * head_act_[l].stride, 0);
+    take(head_act_[l].data, T * size_t(local_heads_) * head_act_[l].stride);
   }
-  jobs_.clear();
-  jobs_.reserve(size_t(std::max<int64_t>(2 * std::max(cfg_.n_expert, 2), local_heads_) + 4));
-  reset_expert_usage();
+  if (!count_only) {
+    jobs_.clear();
+    jobs_.reserve(size_t(std::max<int64_t>(2 * std::max(cfg_.n_expert, 2), local_heads_) + 4));
+    reset_expert_usage();
+  }
   if (cfg_.is_moe()) {
     const size_t NE = size_t(cfg_.n_expert), K = size_t(cfg_.n_expert_used), FE = size_t(local_ff_exp_);
-    router_logits_.assign(T * NE, 0.f);
-    route_w_.assign(T * K, 0.f);
-    route_ids_.assign(T * K, 0);
-    route_scratch_.assign(3 * NE, 0.f);
-    exp_count_.assign(NE, 0);
-    exp_offset_.assign(NE + 1, 0);
-    exp_rows_.assign(T * K, 0);
-    slot_of_.assign(T * K, 0);
-    exp_gate_.assign(T * K * FE, 0.f);
-    exp_up_.assign(T * K * FE, 0.f);
-    exp_out_.assign(T * K * E, 0.f);
-    exp_out2_.assign(fe_split_ > 0 ? T * K * E : 0, 0.f);
+    take(router_logits_, T * NE);
+    take(route_w_, T * K);
+    take(route_ids_, T * K);
+    take(route_scratch_, 3 * NE);
+    take(exp_count_, NE);
+    take(exp_offset_, NE + 1);
+    take(exp_rows_, T * K);
+    take(slot_of_, T * K);
+    take(exp_gate_, T * K * FE);
+    take(exp_up_, T * K * FE);
+    take(exp_out_, T * K * E);
+    take(exp_out2_, fe_split_ > 0 ? T * K * E : 0);
     for (size_t l = 0; l < kLayouts; ++l)
-      if (exp_layout[l]) exp_act_[l].data.assign(T * K * exp_act_[l].stride, 0);
+      if (exp_layout[l]) take(exp_act_[l].data, T * K * exp_act_[l].stride);
   }
+  return bytes;
 }
 
 void LlamaModel::silu_mul_parts(int64_t n, int64_t split, float* g, const float* u) {

@@ -92,6 +92,9 @@ struct TpShard {
   // TP=1 only: split the reduction sums at TP=2's boundaries, so results are bit-identical
   // to a TP=2 run of the same model (costs ~5-10% decode speed: two half-width passes).
   bool tp_compatible = false;
+  // Only plan: this rank's geometry and bytes are computed (weight_bytes, scratch_bytes) but
+  // no slice is read or allocated and no group is needed; such a model cannot run forward.
+  bool plan_only = false;
 };
 
 class LlamaModel {
@@ -115,7 +118,8 @@ class LlamaModel {
   const std::vector<std::vector<int32_t>>& routing_trace() const { return trace_; }
 
   // Size scratch for batches of up to max_tokens tokens, sequences up to max_ctx positions.
-  void reserve(int max_tokens, int64_t max_ctx, int n_threads);
+  // Returns the bytes; count_only: nothing allocated, only the bytes (for the memory plan).
+  uint64_t reserve(int max_tokens, int64_t max_ctx, int n_threads, bool count_only = false);
   // About what reserve(max_tokens, ...) allocates, computed without overflow (for the
   // engine's memory check before anything is allocated).
   double scratch_bytes(int64_t max_tokens) const;

@@ -42,6 +42,7 @@ void LlamaModel::read_at(const uint8_t* src, void* dst, size_t n, bool drop_cach
 Weight LlamaModel::slice_rows(const Weight& w, int64_t r0, int64_t r1) {
   Weight s = w;
   s.rows = r1 - r0;
+  if (tp_.plan_only) return s;  // sizes only
   const size_t n = w.row_stride * size_t(s.rows);
   owned_weights_.emplace_back(new uint8_t[n]);
   read_at(w.data + size_t(r0) * w.row_stride, owned_weights_.back().get(), n);
@@ -54,6 +55,7 @@ ExpertWeight LlamaModel::slice_rows(const ExpertWeight& w, int64_t r0, int64_t r
   s.first.rows = r1 - r0;
   const size_t per = w.first.row_stride * size_t(s.first.rows);
   s.expert_stride = per;
+  if (tp_.plan_only) return s;
   owned_weights_.emplace_back(new uint8_t[per * size_t(w.n_expert)]);
   uint8_t* dst = owned_weights_.back().get();
   for (int64_t e = 0; e < w.n_expert; ++e)
@@ -68,6 +70,7 @@ ExpertWeight LlamaModel::slice_experts(const ExpertWeight& w, int64_t e0, int64_
   // The matrices packed (a view may have gaps between them: MLA's W_vb inside attn_kv_b).
   const size_t per = w.first.row_stride * size_t(w.first.rows);
   s.expert_stride = per;
+  if (tp_.plan_only) return s;
   owned_weights_.emplace_back(new uint8_t[per * size_t(s.n_expert)]);
   if (per == w.expert_stride) {
     read_at(w.first.data + size_t(e0) * w.expert_stride, owned_weights_.back().get(), per * size_t(s.n_expert));
@@ -83,6 +86,7 @@ Weight LlamaModel::slice_cols(const Weight& w, int64_t c0, int64_t c1) {
   Weight s = w;
   s.k = c1 - c0;
   s.row_stride = row_bytes(w.type, s.k);
+  if (tp_.plan_only) return s;
   const size_t skip = row_bytes(w.type, c0);
   owned_weights_.emplace_back(new uint8_t[s.row_stride * size_t(w.rows)]);
   uint8_t* dst = owned_weights_.back().get();
@@ -97,6 +101,7 @@ ExpertWeight LlamaModel::slice_cols(const ExpertWeight& w, int64_t c0, int64_t c
   s.first.k = c1 - c0;
   s.first.row_stride = row_bytes(w.first.type, s.first.k);
   s.expert_stride = s.first.row_stride * size_t(w.first.rows);
+  if (tp_.plan_only) return s;
   const size_t skip = row_bytes(w.first.type, c0);
   owned_weights_.emplace_back(new uint8_t[s.expert_stride * size_t(w.n_expert)]);
   uint8_t* dst = owned_weights_.back().get();

@@ -204,7 +204,8 @@ void LlamaModel::split_kv_b(LayerWeights& L, const std::string& name) {
 
 LlamaModel::LlamaModel(std::shared_ptr<GgufFile> file, const TpShard& tp) : file_(std::move(file)), tp_(tp) {
   cfg_ = ModelConfig::from_gguf(*file_);
-  TF_CHECK(tp_.size == 1 || (tp_.size == 2 && tp_.group), "tensor parallel size must be 1 or 2 (with a group)");
+  TF_CHECK(tp_.size == 1 || (tp_.size == 2 && (tp_.group || tp_.plan_only)),
+           "tensor parallel size must be 1 or 2 (with a group)");
   TF_CHECK(tp_.rank >= 0 && tp_.rank < tp_.size, "TP rank ", tp_.rank, " is out of range");
   if (tp_.size > 1) file_->advise_random();  // the mappings serve only the header now
   const int64_t E = cfg_.n_embd, H = cfg_.n_head, HK = cfg_.n_head_kv;

@@ -1,4 +1,4 @@
-"""The `tensorfold` command line: chat, generate, worker, info, pull, convert."""
+"""The `tensorfold` command line: chat, generate, worker, info, plan, pull, convert."""
 from __future__ import annotations
 
 import argparse
@@ -62,6 +62,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="context length per sequence (default: the model's, at most 8192)")
     p.add_argument("--kv-tokens", type=_int_in(1), default=None,
                    help="KV cache pool size in tokens (default: enough for the context)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="memory this machine may give the engine, e.g. 120GiB (default: the memory "
+                        "available now; 'none': no check). A plan over it is refused before loading, "
+                        "naming the largest --kv-tokens that fits; see `tensorfold plan`")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -137,7 +141,7 @@ def _load(a: argparse.Namespace, model: str):
         warnings.simplefilter("always")
         eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=0,
                      peer=a.peer, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
-                     token=a.token)
+                     token=a.token, memory_budget=a.memory_budget)
     for w in caught:  # e.g. a context above the trained one: one line, not a source listing
         print(f"tensorfold: warning: {w.message}", file=sys.stderr)
     print(f"loaded {os.path.basename(eng.path)} ({eng.config['summary']}) on {eng.threads} threads "
@@ -268,7 +272,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     print(f"worker: waiting for rank 0 on {a.listen} ...", file=sys.stderr)
     eng = Engine(a.model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=1,
                  peer=a.listen, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
-                 token=a.token)
+                 token=a.token, memory_budget=a.memory_budget)
     print(f"worker: connected; holding {eng._core.weight_bytes / 2**20:.1f} MiB of weights", file=sys.stderr)
     eng.follow()
     print("worker: rank 0 finished", file=sys.stderr)
@@ -280,6 +284,25 @@ def cmd_info(a: argparse.Namespace) -> int:
 
     print(describe(a.model, show_tensors=a.tensors))
     return 0
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from . import _core
+    from .engine import parse_memory_budget, resolve_model
+
+    path = resolve_model(a.model)
+    ranks = range(a.tp) if a.rank is None else [a.rank]
+    fits = True
+    for r in ranks:
+        p = _core.plan_memory(path, context=a.context or 0, kv_tokens=a.kv_tokens or 0,
+                              max_batch_tokens=a.max_batch_tokens, kv_type=a.kv_type, tp=a.tp, rank=r,
+                              memory_budget=parse_memory_budget(a.memory_budget))
+        print(p["table"], end="")
+        fits = fits and p["fits"]
+    print(f"context {p['context']} tokens per sequence; KV {p['kv_bytes_per_token']} bytes per token "
+          f"({a.kv_type}); `tensorfold chat/serve` with these options "
+          + ("starts" if fits else "is refused before loading"))
+    return 0 if fits else 1
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
@@ -342,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("-t", "--threads", type=_int_in(1), default=None,
                    help="worker threads (default: the CPUs this process may use)")
     w.add_argument("--tp", type=int, default=2, choices=(2,), help="tensor parallel size: must be 2")
+    w.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="memory this machine may give the worker, e.g. 120GiB (default: the memory available "
+                        "now; 'none': no check); checked before connecting or loading")
     w.add_argument("--rails", default=None, help="this machine's address on each link, comma-separated")
     w.add_argument("--tp-timeout", type=_number_in(0, lo_open=True), default=30.0,
                    help="seconds before a silent peer is an error (default 30)")
@@ -354,6 +380,26 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", help="GGUF path or known model name")
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.set_defaults(func=cmd_info)
+
+    pn = sub.add_parser("plan", help="the memory plan of a model on this machine (nothing is loaded)",
+                        description="Prints what an engine with these options would keep resident on each "
+                                    "rank: weights, KV cache pool, scratch, comm buffers and a safety margin, "
+                                    "against the budget (--memory-budget, default the memory available now), "
+                                    "and the largest --kv-tokens that fits. Exit status 1 when it does not fit. "
+                                    "Reads only the file's header: a 2x128 GB TP=2 plan can be checked on a "
+                                    "laptop.")
+    pn.add_argument("model", help="GGUF path or known model name")
+    pn.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor parallel size")
+    pn.add_argument("--rank", type=int, default=None, choices=(0, 1), help="only this rank (default: each)")
+    pn.add_argument("-c", "--context", type=_int_in(1), default=None,
+                    help="context length per sequence (default: the model's, at most 8192)")
+    pn.add_argument("--kv-tokens", type=_int_in(1), default=None,
+                    help="KV cache pool size in tokens (default: max(context, 4096))")
+    pn.add_argument("--max-batch-tokens", type=_int_in(1), default=512, help="tokens per step (default 512)")
+    pn.add_argument("--kv-type", default="f16", choices=("f16", "f32"), help="KV cache element type")
+    pn.add_argument("--memory-budget", default=None, metavar="SIZE",
+                    help="e.g. 120GiB (default: the memory available now; 'none': no budget)")
+    pn.set_defaults(func=cmd_plan)
 
     from .convert import add_parser as add_convert_parser
 

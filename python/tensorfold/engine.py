@@ -48,6 +48,37 @@ def resolve_model(model: str) -> str:
     )
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_memory_budget(v) -> int:
+    """A memory budget as the native engine takes it: bytes (int, or text such as '120GiB',
+    '512MB', '1.5T'); None or 'auto' = the memory available now (0); 'none' = no budget (-1)."""
+    if v is None:
+        return 0
+    if _is_int(v):
+        if v <= 0:
+            raise ValueError(f"memory_budget must be positive bytes (or None / 'auto' / 'none'), got {v}")
+        return int(v)
+    if isinstance(v, str):
+        t = v.strip().lower().replace(" ", "")
+        if t == "auto":
+            return 0
+        if t == "none":
+            return -1
+        num = t.rstrip("kmgtib")
+        unit = t[len(num):]
+        try:
+            x = float(num)
+        except ValueError:
+            x = math.nan
+        if unit in _UNITS and math.isfinite(x) and x > 0 and x * _UNITS[unit] < 2**62:
+            return max(1, int(x * _UNITS[unit]))
+    raise ValueError(f"memory_budget {v!r} is not a size: give bytes or e.g. '120GiB', '512MB' "
+                     "(or 'auto' for the memory available now, 'none' for no budget)")
+
+
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
@@ -126,7 +157,8 @@ class Engine:
     def __init__(self, model: str, *, threads: int | None = None, kv_tokens: int | None = None,
                  context: int | None = None, max_batch_tokens: int = 512, kv_type: str = "f16",
                  tp: int = 1, rank: int = 0, peer: str | None = None, rails: Sequence[str] | None = None,
-                 timeout: float = 30.0, tp_compatible: bool = False, token: str | None = None):
+                 timeout: float = 30.0, tp_compatible: bool = False, token: str | None = None,
+                 memory_budget: int | str | None = None):
         self._core = None
         self._following = False
         self._closed = False
@@ -140,6 +172,7 @@ class Engine:
                 _int_in(name, v, 1, hi)
         _int_in("max_batch_tokens", max_batch_tokens, 1)
         _float_in("timeout", timeout, 0.0, math.inf, lo_open=True, note=" seconds")
+        budget = parse_memory_budget(memory_budget)
         self.path = resolve_model(model)
         self._gguf = _core.GgufFile(self.path)
         metadata = self._gguf.metadata()
@@ -155,7 +188,7 @@ class Engine:
             raise ValueError("tp=2 needs peer='HOST:PORT' (where rank 1 listens)")
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
                                   kv_type, tp, rank, peer or "", list(rails or []), float(timeout),
-                                  bool(tp_compatible), token)
+                                  bool(tp_compatible), token, budget)
         self._config = dict(self._core.config)
         self._context = self._core.context
         self._threads = self._core.threads
@@ -173,6 +206,12 @@ class Engine:
                 f"mask / cgroup CPU quota); it works, but is usually slower than threads={usable}",
                 RuntimeWarning, stacklevel=2)
         _live_engines.add(self)
+
+    @property
+    def memory_plan(self) -> dict:
+        """This rank's memory plan (bytes of weights, kv, scratch, comm, margin, total, budget,
+        and the printable table), checked before anything was allocated."""
+        return dict(self._native().memory_plan)
 
     def _check_vocab(self, n_vocab: int | None) -> None:
         """Like llama.cpp, the embedding and the output matrix must have exactly one row per
