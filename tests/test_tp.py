@@ -154,9 +154,9 @@ def test_rank0_killed_worker_exits_with_error(tiny_moe):
 
 def test_mismatched_ranks_are_refused(tiny_moe):
     """Rank 0 is refused at once; the worker drops it, keeps listening for a matching rank 0
-    until its own timeout, then exits saying what it rejected."""
+    until its --wait runs out, then exits saying what it rejected."""
     port = free_port()
-    worker = start_worker(tiny_moe, port, "-c", "128", "--tp-timeout", "3")
+    worker = start_worker(tiny_moe, port, "-c", "128", "--tp-timeout", "3", "--wait", "3")
     try:
         with pytest.raises((RuntimeError, ValueError), match="(?i)differ|mismatch|handshake"):
             tensorfold.Engine(tiny_moe, threads=1, context=256, tp=2, rank=0, peer=f"127.0.0.1:{port}", timeout=10)

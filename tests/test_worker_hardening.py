@@ -222,6 +222,15 @@ def _send(g, cmd: int, plan: list[int] | None, length: int | None = None) -> Non
         g.broadcast(np.array(plan, dtype=np.int64).astype(np.int32), 1)
 
 
+def _loaded(g) -> None:
+    """Play rank 0's side of the start-up barrier: report 'loaded' until the worker has too."""
+    while True:
+        state = np.array([1.0], dtype=np.float32)
+        g.all_reduce(state)
+        if state[0] >= 2:
+            return
+
+
 def _hostile_case(model: str, case: str) -> str | None:
     """Runs one case against its own worker; returns what went wrong, or None."""
     port = free_port()
@@ -229,6 +238,7 @@ def _hostile_case(model: str, case: str) -> str | None:
     try:
         g = comm.Group(1, 2, f"127.0.0.1:{port}", timeout=20,
                        handshake=_core.Engine._tp_identity(model, 2, CONTEXT))
+        _loaded(g)
         if case == "huge plan length":
             _send(g, 1, None, length=10**9)
             want = "malformed plan from rank 0: 1000000000 ints"

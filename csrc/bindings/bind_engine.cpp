@@ -87,9 +87,14 @@ void bind_engine(py::module_& m) {
                        int max_batch_tokens, const std::string& kv_type, int tp_size, int tp_rank,
                        const std::string& tp_addr, const std::vector<std::string>& tp_rails,
                        double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg,
-                       int64_t memory_budget) {
+                       int64_t memory_budget, const std::string& tp_transport, double tp_wait,
+                       double tp_load_timeout) {
              EngineOptions o;
              o.memory_budget = memory_budget;
+             o.tp.transport = tp_transport;
+             o.tp.wait_s = tp_wait;
+             o.tp.load_timeout_s = tp_load_timeout;
+             TF_CHECK(tp_wait >= 0 && tp_load_timeout > 0, "tp_wait must be >= 0 and tp_load_timeout > 0");
              o.tp.compatible = tp_compatible;
              o.tp.size = tp_size;
              o.tp.rank = tp_rank;
@@ -110,7 +115,8 @@ void bind_engine(py::module_& m) {
            py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16", py::arg("tp_size") = 1,
            py::arg("tp_rank") = 0, py::arg("tp_addr") = "", py::arg("tp_rails") = std::vector<std::string>{},
            py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false, py::arg("tp_token") = py::none(),
-           py::arg("memory_budget") = 0,
+           py::arg("memory_budget") = 0, py::arg("tp_transport") = "tcp", py::arg("tp_wait") = 0.0,
+           py::arg("tp_load_timeout") = 3600.0,
            "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none); memory_budget: "
            "bytes this rank may use (0: the memory available now; < 0: no budget)")
       .def_property_readonly("memory_plan", [](const Engine& e) { return memory_plan_dict(e.memory_plan()); })

@@ -1081,19 +1081,22 @@ std::unique_ptr<Group> Group::create(const GroupOptions& opts) {
   } else {
     // Listen until a connection passes the handshake. Each candidate gets a short deadline
     // of its own, so garbage, a silent or a half-closed connection costs seconds, not the
-    // group; only the overall deadline (or Ctrl-C) ends the wait.
+    // group; only wait_s (by default none: a worker waits for rank 0) or Ctrl-C ends the wait.
+    const Deadline wait_dl = opts.wait_s > 0    ? deadline_after(opts.wait_s)
+                             : opts.wait_s == 0 ? deadline_after(1e9)
+                                                : dl;
     auto listener = tcp_bootstrap_listen(opts);
     int rejected = 0;
     std::string last;
     for (;;) {
       try {
-        boot = listener->accept(dl);
+        boot = listener->accept(wait_dl);
       } catch (const Error& e) {
         if (e.kind() == ErrorKind::Interrupted || rejected == 0) throw;
         fail(ErrorKind::Runtime, e.what(), "; rejected ", rejected, " connection(s) meanwhile, the last from ",
              last);
       }
-      const Deadline cdl = std::min(dl, deadline_after(std::min(kCandidateSeconds, opts.timeout_s)));
+      const Deadline cdl = deadline_after(std::min(kCandidateSeconds, opts.timeout_s));
       try {
         agreed = handshake(opts, *boot, cdl, my_rails);
         break;
@@ -1111,8 +1114,9 @@ std::unique_ptr<Group> Group::create(const GroupOptions& opts) {
       }
     }
   }
-  auto tr = opts.transport == "ibverbs" ? ibverbs_transport(opts, agreed.n_rails, *boot, dl)
-                                         : tcp_transport(opts, agreed.n_rails, *boot, dl);
+  const Deadline setup_dl = opts.rank == 0 ? deadline_after(opts.timeout_s) : dl;  // counted from the handshake
+  auto tr = opts.transport == "ibverbs" ? ibverbs_transport(opts, agreed.n_rails, *boot, setup_dl)
+                                         : tcp_transport(opts, agreed.n_rails, *boot, setup_dl);
   return std::make_unique<PairGroup>(opts, std::move(tr), agreed.small_bytes, agreed.chunk_bytes);
 }
 

@@ -25,6 +25,9 @@ struct GroupOptions {
   // Rank 0 listens on each of its rail addresses, the peer connects from its own.
   std::vector<std::string> rails;
   double timeout_s = 30.0;
+  // The listening rank's wait for its peer to connect (seconds; 0: until interrupted, as a TP
+  // worker started long before rank 0 waits; < 0: timeout_s). Every other wait uses timeout_s.
+  double wait_s = -1;
   std::string transport = "tcp";  // "tcp" or "ibverbs"
   // Refused at connect unless both ranks give the same value (model hash, TP size, formats).
   std::string handshake;

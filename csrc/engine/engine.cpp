@@ -147,6 +147,8 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     g.addr = tp_.addr;
     g.rails = tp_.rails;
     g.timeout_s = tp_.timeout_s;
+    g.wait_s = tp_.wait_s;
+    g.transport = tp_.transport;
     g.handshake = tp_identity(*file_, opts);
     g.token = tp_.token;
     group_ = comm::Group::create(g);
@@ -155,7 +157,7 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     shard.group = group_.get();
     shard.group_rank_offset = 1;
   }
-  if (tp_.size == 2) model_ = std::make_unique<LlamaModel>(file_, shard);  // reads this rank's slices
+  if (tp_.size == 2) load_with_heartbeat(shard);  // reads this rank's slices
   else file_->prefault();  // the mapped weights resident now, as planned, not page by page while serving
   kv_ = std::make_unique<PagedKvCache>(c.n_layer, model_->kv_layout(), kKvBlockSize, n_blocks, opts.kv_type);
   kv_->prefault();
@@ -210,6 +212,47 @@ void Engine::send_command(int64_t cmd, const std::vector<int32_t>& payload) {
   group_->broadcast(header, sizeof(header), kLeaderGroupRank);
   if (!payload.empty())
     group_->broadcast(const_cast<int32_t*>(payload.data()), payload.size() * sizeof(int32_t), kLeaderGroupRank);
+}
+
+void Engine::load_with_heartbeat(const TpShard& shard) {
+  // Two ranks rarely finish loading together (100 GB from different disks), and a collective
+  // waits only timeout_s for its peer. So while this rank reads its slices, a thread exchanges
+  // a tiny All-Reduce with the peer about twice a second: "I am alive, loaded or not". It ends
+  // when both report loaded — the barrier — or fails when the peer goes silent for timeout_s
+  // (a lost peer) or the pair has not loaded within load_timeout_s.
+  std::atomic<bool> loaded{false}, failed{false};
+  std::exception_ptr hb_error;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread hb([&] {
+    try {
+      for (;;) {
+        float state = failed ? -1.f : loaded ? 1.f : 0.f;
+        group_->all_reduce(&state, 1, comm::DType::F32);
+        if (state < 0 || failed)  // either side failed to load: stop (that side reports why)
+          fail(ErrorKind::Runtime, "the TP peer failed while loading the model");
+        if (state >= 2.f) return;  // both loaded
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (waited > tp_.load_timeout_s)
+          fail(ErrorKind::Runtime, "the TP pair has not finished loading within ", tp_.load_timeout_s,
+               " s (load_timeout); this rank ", loaded ? "has" : "has not", " loaded");
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      }
+    } catch (...) {
+      hb_error = std::current_exception();
+    }
+  });
+  try {
+    if (const char* d = std::getenv("TENSORFOLD_TEST_LOAD_DELAY_S"))  // tests: a slow disk
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(d)));
+    model_ = std::make_unique<LlamaModel>(file_, shard);
+  } catch (...) {
+    failed = true;
+    hb.join();
+    throw;
+  }
+  loaded = true;
+  hb.join();
+  if (hb_error) std::rethrow_exception(hb_error);
 }
 
 void Engine::heartbeat_loop() {

@@ -34,7 +34,10 @@ struct TpOptions {
   int rank = 0;                    // 0 schedules and samples; 1 follows
   std::string addr;                // rank 1 listens here, rank 0 connects
   std::vector<std::string> rails;  // local rail addresses
-  double timeout_s = 30.0;
+  double timeout_s = 30.0;        // a collective without progress for this long: the peer is lost
+  double wait_s = 0;               // rank 1: wait for rank 0 to connect this long (0: until interrupted)
+  double load_timeout_s = 3600;    // both ranks loaded within this long of connecting (heartbeat meanwhile)
+  std::string transport = "tcp";   // "tcp" or "ibverbs"
   bool compatible = false;         // TP=1: compute exactly as a TP=2 pair would (see TpShard)
   std::string token;               // shared secret both ranks must know (empty: none)
 };
@@ -142,6 +145,9 @@ class Engine {
   // TP follower: checks plan_ field by field, fills batch_ and mirrors the block tables.
   void apply_plan();
   void check_sizes(const EngineOptions& opts, int64_t n_blocks) const;
+  // TP=2: loads this rank's slices while a heartbeat exchange with the peer runs, then returns
+  // once both ranks have loaded (a barrier with its own deadline, load_timeout_s).
+  void load_with_heartbeat(const TpShard& shard);
   // Rank 0: runs one forward on every rank (plan broadcast first under TP).
   void run_forward(const std::vector<BatchToken>& batch, float* logits);
   void send_command(int64_t cmd, const std::vector<int32_t>& payload);

@@ -55,6 +55,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rails", default=None, help="TP: this machine's address on each link, comma-separated")
     p.add_argument("--tp-timeout", type=_number_in(0, lo_open=True), default=30.0,
                    help="TP: seconds before a silent peer is an error (default 30)")
+    p.add_argument("--transport", default="tcp", choices=("tcp", "ibverbs", "auto"),
+                   help="TP: the link's transport (auto: ibverbs when an RDMA device exists; default tcp)")
+    p.add_argument("--load-timeout", type=_number_in(0, lo_open=True), default=3600.0,
+                   help="TP: seconds both ranks may take to load (they heartbeat meanwhile; default 3600)")
     p.add_argument("--token", default=None,
                    help="TP: shared secret both ranks must give; only a peer that knows it is admitted "
                         "(default: $TENSORFOLD_TP_TOKEN, which keeps it out of the process list)")
@@ -141,7 +145,8 @@ def _load(a: argparse.Namespace, model: str):
         warnings.simplefilter("always")
         eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=0,
                      peer=a.peer, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
-                     token=a.token, memory_budget=a.memory_budget)
+                     token=a.token, memory_budget=a.memory_budget, transport=a.transport,
+                     load_timeout=a.load_timeout)
     for w in caught:  # e.g. a context above the trained one: one line, not a source listing
         print(f"tensorfold: warning: {w.message}", file=sys.stderr)
     print(f"loaded {os.path.basename(eng.path)} ({eng.config['summary']}) on {eng.threads} threads "
@@ -272,7 +277,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
     print(f"worker: waiting for rank 0 on {a.listen} ...", file=sys.stderr)
     eng = Engine(a.model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=1,
                  peer=a.listen, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
-                 token=a.token, memory_budget=a.memory_budget)
+                 token=a.token, memory_budget=a.memory_budget,
+                 transport=a.transport, wait=a.wait, load_timeout=a.load_timeout)
     print(f"worker: connected; holding {eng._core.weight_bytes / 2**20:.1f} MiB of weights", file=sys.stderr)
     eng.follow()
     print("worker: rank 0 finished", file=sys.stderr)
@@ -371,6 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rails", default=None, help="this machine's address on each link, comma-separated")
     w.add_argument("--tp-timeout", type=_number_in(0, lo_open=True), default=30.0,
                    help="seconds before a silent peer is an error (default 30)")
+    w.add_argument("--wait", type=_number_in(0), default=0.0,
+                   help="seconds to wait for rank 0 to connect (default 0: until it does or Ctrl-C)")
+    w.add_argument("--transport", default="tcp", choices=("tcp", "ibverbs", "auto"),
+                   help="the link's transport, as rank 0's (auto: ibverbs when an RDMA device exists)")
+    w.add_argument("--load-timeout", type=_number_in(0, lo_open=True), default=3600.0,
+                   help="seconds both ranks may take to load (they heartbeat meanwhile; default 3600)")
     w.add_argument("--token", default=None,
                    help="shared secret rank 0 must know to be admitted (default: $TENSORFOLD_TP_TOKEN, "
                         "which keeps it out of the process list)")

@@ -79,6 +79,16 @@ def parse_memory_budget(v) -> int:
                      "(or 'auto' for the memory available now, 'none' for no budget)")
 
 
+def resolve_transport(name: str) -> str:
+    """'tcp', 'ibverbs', or 'auto' (ibverbs when this build has it and an RDMA device exists)."""
+    if name == "auto":
+        comm = _core.comm
+        return "ibverbs" if comm.built_with_ibverbs() and comm.ibverbs_devices() else "tcp"
+    if name not in ("tcp", "ibverbs"):
+        raise ValueError(f"transport must be 'tcp', 'ibverbs' or 'auto', got {name!r}")
+    return name
+
+
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
@@ -158,7 +168,8 @@ class Engine:
                  context: int | None = None, max_batch_tokens: int = 512, kv_type: str = "f16",
                  tp: int = 1, rank: int = 0, peer: str | None = None, rails: Sequence[str] | None = None,
                  timeout: float = 30.0, tp_compatible: bool = False, token: str | None = None,
-                 memory_budget: int | str | None = None):
+                 memory_budget: int | str | None = None, transport: str = "tcp", wait: float = 0.0,
+                 load_timeout: float = 3600.0):
         self._core = None
         self._following = False
         self._closed = False
@@ -173,6 +184,9 @@ class Engine:
         _int_in("max_batch_tokens", max_batch_tokens, 1)
         _float_in("timeout", timeout, 0.0, math.inf, lo_open=True, note=" seconds")
         budget = parse_memory_budget(memory_budget)
+        transport = resolve_transport(transport)
+        _float_in("wait", wait, 0.0, math.inf, note=" seconds (0: until rank 0 connects)")
+        _float_in("load_timeout", load_timeout, 0.0, math.inf, lo_open=True, note=" seconds")
         self.path = resolve_model(model)
         self._gguf = _core.GgufFile(self.path)
         metadata = self._gguf.metadata()
@@ -188,7 +202,8 @@ class Engine:
             raise ValueError("tp=2 needs peer='HOST:PORT' (where rank 1 listens)")
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
                                   kv_type, tp, rank, peer or "", list(rails or []), float(timeout),
-                                  bool(tp_compatible), token, budget)
+                                  bool(tp_compatible), token, budget, transport, float(wait),
+                                  float(load_timeout))
         self._config = dict(self._core.config)
         self._context = self._core.context
         self._threads = self._core.threads
