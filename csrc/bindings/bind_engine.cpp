@@ -36,8 +36,10 @@ void bind_engine(py::module_& m) {
       .def(py::init([](const std::string& path, int threads, int64_t kv_tokens, int64_t context,
                        int max_batch_tokens, const std::string& kv_type, int tp_size, int tp_rank,
                        const std::string& tp_addr, const std::vector<std::string>& tp_rails,
-                       double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg) {
+                       double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg,
+                       bool prefix_cache) {
              EngineOptions o;
+             o.prefix_cache = prefix_cache;
              o.tp.compatible = tp_compatible;
              o.tp.size = tp_size;
              o.tp.rank = tp_rank;
@@ -58,7 +60,9 @@ void bind_engine(py::module_& m) {
            py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16", py::arg("tp_size") = 1,
            py::arg("tp_rank") = 0, py::arg("tp_addr") = "", py::arg("tp_rails") = std::vector<std::string>{},
            py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false, py::arg("tp_token") = py::none(),
-           "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none)")
+           py::arg("prefix_cache") = true,
+           "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none); "
+           "prefix_cache: reuse the KV blocks of earlier identical prompt prefixes")
       .def_static(
           "_tp_identity",
           [](const std::string& path, int tp_size, int64_t context, int64_t kv_tokens, int max_batch_tokens,
@@ -90,8 +94,9 @@ void bind_engine(py::module_& m) {
       .def("add_request",
            [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
               int top_k, float top_p, float min_p, uint64_t seed, const std::vector<int32_t>& eog_ids,
-              bool ignore_eos) {
+              bool ignore_eos, int top_logprobs) {
              RequestParams p;
+             p.top_logprobs = top_logprobs;
              p.max_tokens = max_tokens;
              p.sampling.temperature = temperature;
              p.sampling.top_k = top_k;
@@ -106,7 +111,9 @@ void bind_engine(py::module_& m) {
            py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("temperature") = 0.8f,
            py::arg("top_k") = 40, py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f,
            py::arg("seed") = 0, py::arg("eog_ids") = std::vector<int32_t>{},
-           py::arg("ignore_eos") = false)
+           py::arg("ignore_eos") = false, py::arg("top_logprobs") = -1,
+           "top_logprobs: -1 off; 0 the sampled token's log-probability; 1..20 also that many most likely "
+           "tokens' (log-softmax of the raw logits: temperature 1, before top-k/top-p/min-p)")
       .def("step",
            [](Engine& e) {
              std::vector<StepOutput> out;
@@ -116,11 +123,24 @@ void bind_engine(py::module_& m) {
                out = e.step();
              }
              py::list res;
-             for (const auto& o : out)
-               res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason)));
+             for (const auto& o : out) {
+               if (!o.has_logprobs) {
+                 res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason)));
+                 continue;
+               }
+               py::object lp = py::none();  // an event without a token (max_tokens=0) has none
+               if (o.token >= 0) {
+                 py::list top;
+                 for (const auto& [tok, l] : o.top) top.append(py::make_tuple(tok, l));
+                 lp = py::make_tuple(o.logprob, top);
+               }
+               res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason), lp));
+             }
              return res;
            },
-           "Advance all active requests by one scheduled batch; returns [(id, token, finished, reason)]")
+           "Advance all active requests by one scheduled batch; returns [(id, token, finished, reason)], and "
+           "for tokens of requests with top_logprobs >= 0 (id, token, finished, reason, (logprob, "
+           "[(token, logprob), ...]) or None when the event has no token)")
       .def("abort", &Engine::abort, py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
       .def("has_unfinished", &Engine::has_unfinished, py::call_guard<py::gil_scoped_release>())
       .def("n_active", &Engine::n_active, py::call_guard<py::gil_scoped_release>())
@@ -200,6 +220,11 @@ void bind_engine(py::module_& m) {
         d["kv_tokens"] = e.kv_tokens();
         d["kv_bytes_per_token"] = e.kv_bytes_per_token();
         d["free_kv_tokens"] = free_kv;
+        d["prefix_cache_hits"] = s.prefix_cache_hits;
+        d["prefix_cached_tokens"] = s.prefix_cached_tokens;
+        d["kv_blocks_used"] = s.kv_blocks_used;
+        d["kv_blocks_free"] = s.kv_blocks_free;
+        d["kv_blocks_cached"] = s.kv_blocks_cached;
         if (e.config().is_moe()) d["expert_usage"] = usage;
         return d;
       });
