@@ -208,6 +208,10 @@ HOSTILE = {
     "slot twice": (_plan(T=2, tokens=[(5, 0, 0, 1), (6, 1, 0, 1)], tables=[(0, [0]), (0, [1])]), "listed twice"),
     "block twice": (_plan(T=2, tokens=[(5, 0, 0, 1), (6, 0, 1, 1)], tables=[(0, [3]), (1, [3])]),
                     "block 3 is used twice"),
+    # a cached prefix may be listed by several tables (read-only), never twice in one
+    "block twice in a table": (_plan(tables=[(0, [3, 3])]), "block 3 is used twice in the table of sequence slot 0"),
+    "write to a shared block": (_plan(T=2, tokens=[(5, 16, 0, 1), (6, 0, 1, 1)], tables=[(0, [3, 4]), (1, [4])]),
+                                "block 4 is used twice: token 0 of sequence slot 0 writes it"),
     "trailing ints": (_plan() + [0], "1 unexpected ints"),
     "truncated": ([2, 5, 0, 0, 1, 1, 0, 1], "truncated"),
     "65 logits rows": (_plan(T=65, tokens=[(5, p, 0, 1) for p in range(65)], tables=[(0, [0, 1, 2, 3, 4])]),

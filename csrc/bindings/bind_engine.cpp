@@ -88,9 +88,10 @@ void bind_engine(py::module_& m) {
                        const std::string& tp_addr, const std::vector<std::string>& tp_rails,
                        double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg,
                        int64_t memory_budget, const std::string& tp_transport, double tp_wait,
-                       double tp_load_timeout) {
+                       double tp_load_timeout, bool prefix_cache) {
              EngineOptions o;
              o.memory_budget = memory_budget;
+             o.prefix_cache = prefix_cache;
              o.tp.transport = tp_transport;
              o.tp.wait_s = tp_wait;
              o.tp.load_timeout_s = tp_load_timeout;
@@ -116,9 +117,10 @@ void bind_engine(py::module_& m) {
            py::arg("tp_rank") = 0, py::arg("tp_addr") = "", py::arg("tp_rails") = std::vector<std::string>{},
            py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false, py::arg("tp_token") = py::none(),
            py::arg("memory_budget") = 0, py::arg("tp_transport") = "tcp", py::arg("tp_wait") = 0.0,
-           py::arg("tp_load_timeout") = 3600.0,
+           py::arg("tp_load_timeout") = 3600.0, py::arg("prefix_cache") = true,
            "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none); memory_budget: "
-           "bytes this rank may use (0: the memory available now; < 0: no budget)")
+           "bytes this rank may use (0: the memory available now; < 0: no budget); prefix_cache: reuse the KV "
+           "blocks of earlier identical prompt prefixes")
       .def_property_readonly("memory_plan", [](const Engine& e) { return memory_plan_dict(e.memory_plan()); })
       .def_static(
           "_tp_identity",
@@ -151,8 +153,9 @@ void bind_engine(py::module_& m) {
       .def("add_request",
            [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
               int top_k, float top_p, float min_p, uint64_t seed, const std::vector<int32_t>& eog_ids,
-              bool ignore_eos) {
+              bool ignore_eos, int top_logprobs) {
              RequestParams p;
+             p.top_logprobs = top_logprobs;
              p.max_tokens = max_tokens;
              p.sampling.temperature = temperature;
              p.sampling.top_k = top_k;
@@ -167,7 +170,9 @@ void bind_engine(py::module_& m) {
            py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("temperature") = 0.8f,
            py::arg("top_k") = 40, py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f,
            py::arg("seed") = 0, py::arg("eog_ids") = std::vector<int32_t>{},
-           py::arg("ignore_eos") = false)
+           py::arg("ignore_eos") = false, py::arg("top_logprobs") = -1,
+           "top_logprobs: -1 off; 0 the sampled token's log-probability; 1..20 also that many most likely "
+           "tokens' (log-softmax of the raw logits: temperature 1, before top-k/top-p/min-p)")
       .def("step",
            [](Engine& e) {
              std::vector<StepOutput> out;
@@ -177,11 +182,24 @@ void bind_engine(py::module_& m) {
                out = e.step();
              }
              py::list res;
-             for (const auto& o : out)
-               res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason)));
+             for (const auto& o : out) {
+               if (!o.has_logprobs) {
+                 res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason)));
+                 continue;
+               }
+               py::object lp = py::none();  // an event without a token (max_tokens=0) has none
+               if (o.token >= 0) {
+                 py::list top;
+                 for (const auto& [tok, l] : o.top) top.append(py::make_tuple(tok, l));
+                 lp = py::make_tuple(o.logprob, top);
+               }
+               res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason), lp));
+             }
              return res;
            },
-           "Advance all active requests by one scheduled batch; returns [(id, token, finished, reason)]")
+           "Advance all active requests by one scheduled batch; returns [(id, token, finished, reason)], and "
+           "for tokens of requests with top_logprobs >= 0 (id, token, finished, reason, (logprob, "
+           "[(token, logprob), ...]) or None when the event has no token)")
       .def("abort", &Engine::abort, py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
       .def("has_unfinished", &Engine::has_unfinished, py::call_guard<py::gil_scoped_release>())
       .def("n_active", &Engine::n_active, py::call_guard<py::gil_scoped_release>())
@@ -261,6 +279,11 @@ void bind_engine(py::module_& m) {
         d["kv_tokens"] = e.kv_tokens();
         d["kv_bytes_per_token"] = e.kv_bytes_per_token();
         d["free_kv_tokens"] = free_kv;
+        d["prefix_cache_hits"] = s.prefix_cache_hits;
+        d["prefix_cached_tokens"] = s.prefix_cached_tokens;
+        d["kv_blocks_used"] = s.kv_blocks_used;
+        d["kv_blocks_free"] = s.kv_blocks_free;
+        d["kv_blocks_cached"] = s.kv_blocks_cached;
         if (e.config().is_moe()) d["expert_usage"] = usage;
         return d;
       });

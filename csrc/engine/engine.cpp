@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iomanip>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -17,9 +18,6 @@
 namespace tf {
 
 namespace {
-constexpr int64_t kCmdForward = 1, kCmdShutdown = 2, kCmdPing = 3;
-constexpr int kLeaderGroupRank = 1;  // engine rank 0 is group rank 1 (engine rank 1 listens)
-
 std::string gib(double bytes) {
   std::ostringstream os;
   const double g = bytes / double(1ull << 30);
@@ -42,18 +40,6 @@ uint64_t memory_limit_bytes() {
   return m;
 }
 }  // namespace
-
-// What both TP ranks must agree on: the same model file and the same engine geometry. Public
-// information (anyone with the file can compute it): admission is the token's job.
-std::string Engine::tp_identity(const GgufFile& f, const EngineOptions& o) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the header (metadata + tensor table)
-  for (uint64_t i = 0; i < f.data_offset(); ++i) h = (h ^ f.base()[i]) * 1099511628211ull;
-  std::ostringstream os;
-  os << "tensorfold-tp-v1 model_bytes=" << f.file_size() << " header_hash=" << std::hex << h << std::dec
-     << " tp=" << o.tp.size << " context=" << o.context << " kv_tokens=" << o.kv_tokens
-     << " max_batch_tokens=" << o.max_batch_tokens << " kv_type=" << int(o.kv_type);
-  return os.str();
-}
 
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
@@ -161,6 +147,12 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   else file_->prefault();  // the mapped weights resident now, as planned, not page by page while serving
   kv_ = std::make_unique<PagedKvCache>(c.n_layer, model_->kv_layout(), kKvBlockSize, n_blocks, opts.kv_type);
   kv_->prefault();
+  // Rank 0 decides which blocks hold what; a follower mirrors its tables and caches nothing.
+  // The hash seed is private to this engine, so nobody can aim key collisions at it.
+  if (opts.prefix_cache && tp_.rank == 0) {
+    std::random_device rd;
+    kv_->enable_prefix_cache((uint64_t(rd()) << 32) ^ uint64_t(rd()));
+  }
   pool_ = std::make_unique<ThreadPool>(threads);
   // Ctrl-C may stop a local forward (TP=1) or the follower (which then exits), but never
   // rank 0 of a TP pair mid-collective: that would desynchronise the pair.
@@ -171,235 +163,25 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   batch_owner_.reserve(size_t(max_batch_tokens_));
   if (tp_.size == 2 && tp_.rank == 1) {
     // Largest plan rank 0 can send: T, 4 ints per token, n_seq, 2 ints per sequence and the
-    // block tables (distinct blocks, so at most the pool, and at most context/16 per sequence).
+    // block tables (at most context/16 blocks per sequence, at most one sequence per token and
+    // per slot; blocks of a cached prefix appear in the table of every sequence sharing it).
     const int64_t M = max_batch_tokens_;
     const int64_t max_table = (context_ + kKvBlockSize - 1) / kKvBlockSize;
-    max_plan_ints_ = 2 + 6 * M + std::min<int64_t>(M * max_table, n_blocks);
+    max_plan_ints_ = 2 + 6 * M + std::min<int64_t>(M, kv_->max_seqs()) * max_table;
     slot_mark_.assign(size_t(kv_->max_seqs()), 0);
     slot_table_len_.assign(size_t(kv_->max_seqs()), 0);
+    slot_table_at_.assign(size_t(kv_->max_seqs()), 0);
     block_mark_.assign(size_t(n_blocks), 0);
+    block_shared_.assign(size_t(n_blocks), 0);
+    block_slot_.assign(size_t(n_blocks), -1);
   }
   if (tp_.size == 2 && tp_.rank == 0) heartbeat_ = std::thread(&Engine::heartbeat_loop, this);
-}
-
-Engine::~Engine() {
-  if (heartbeat_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lock(hb_mu_);
-      hb_stop_ = true;
-    }
-    hb_cv_.notify_all();
-    heartbeat_.join();
-  }
-  if (group_ && tp_.rank == 0) {
-    try {
-      std::lock_guard<std::mutex> lock(comm_mu_);
-      send_command(kCmdShutdown, {});
-    } catch (...) {
-      // the follower is already gone
-    }
-  }
 }
 
 void Engine::require_leader(const char* what) const {
   if (tp_.rank != 0)
     fail(ErrorKind::InvalidInput, what, ": this engine is TP rank ", tp_.rank,
          ", which only follows rank 0; send requests to rank 0");
-}
-
-void Engine::send_command(int64_t cmd, const std::vector<int32_t>& payload) {
-  int64_t header[4] = {cmd, int64_t(payload.size()), 0, 0};
-  group_->broadcast(header, sizeof(header), kLeaderGroupRank);
-  if (!payload.empty())
-    group_->broadcast(const_cast<int32_t*>(payload.data()), payload.size() * sizeof(int32_t), kLeaderGroupRank);
-}
-
-void Engine::load_with_heartbeat(const TpShard& shard) {
-  // Two ranks rarely finish loading together (100 GB from different disks), and a collective
-  // waits only timeout_s for its peer. So while this rank reads its slices, a thread exchanges
-  // a tiny All-Reduce with the peer about twice a second: "I am alive, loaded or not". It ends
-  // when both report loaded — the barrier — or fails when the peer goes silent for timeout_s
-  // (a lost peer) or the pair has not loaded within load_timeout_s.
-  std::atomic<bool> loaded{false}, failed{false};
-  std::exception_ptr hb_error;
-  const auto t0 = std::chrono::steady_clock::now();
-  std::thread hb([&] {
-    try {
-      for (;;) {
-        float state = failed ? -1.f : loaded ? 1.f : 0.f;
-        group_->all_reduce(&state, 1, comm::DType::F32);
-        if (state < 0 || failed)  // either side failed to load: stop (that side reports why)
-          fail(ErrorKind::Runtime, "the TP peer failed while loading the model");
-        if (state >= 2.f) return;  // both loaded
-        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (waited > tp_.load_timeout_s)
-          fail(ErrorKind::Runtime, "the TP pair has not finished loading within ", tp_.load_timeout_s,
-               " s (load_timeout); this rank ", loaded ? "has" : "has not", " loaded");
-        std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      }
-    } catch (...) {
-      hb_error = std::current_exception();
-    }
-  });
-  try {
-    if (const char* d = std::getenv("TENSORFOLD_TEST_LOAD_DELAY_S"))  // tests: a slow disk
-      std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(d)));
-    model_ = std::make_unique<LlamaModel>(file_, shard);
-  } catch (...) {
-    failed = true;
-    hb.join();
-    throw;
-  }
-  loaded = true;
-  hb.join();
-  if (hb_error) std::rethrow_exception(hb_error);
-}
-
-void Engine::heartbeat_loop() {
-  // Keeps an idle follower's waits inside its timeout; a lost follower shows up here or in
-  // the next forward. Nothing may escape a thread body (std::terminate): every error ends
-  // the heartbeat quietly and the next forward reports it.
-  try {
-    const auto period = std::chrono::duration<double>(std::max(0.05, tp_.timeout_s / 4));
-    std::unique_lock<std::mutex> lock(hb_mu_);
-    while (!hb_cv_.wait_for(lock, period, [&] { return hb_stop_; })) {
-      std::unique_lock<std::mutex> comm(comm_mu_, std::try_to_lock);
-      if (!comm.owns_lock()) continue;  // a forward is talking to the follower anyway
-      send_command(kCmdPing, {});
-    }
-  } catch (...) {
-  }
-}
-
-void Engine::run_forward(const std::vector<BatchToken>& batch, float* logits) {
-  if (!group_) {
-    model_->forward(batch, *kv_, *pool_, logits);
-    return;
-  }
-  std::lock_guard<std::mutex> lock(comm_mu_);
-  // Plan: T, then (token, pos, seq, want) per token, then the block table of each sequence.
-  plan_.clear();
-  plan_.push_back(int32_t(batch.size()));
-  std::vector<int32_t>& seqs = plan_seqs_;
-  seqs.clear();
-  for (const BatchToken& b : batch) {
-    plan_.insert(plan_.end(), {b.token, b.pos, b.seq, int32_t(b.want_logits)});
-    if (std::find(seqs.begin(), seqs.end(), b.seq) == seqs.end()) seqs.push_back(b.seq);
-  }
-  plan_.push_back(int32_t(seqs.size()));
-  for (int32_t sq : seqs) {
-    const auto& table = kv_->block_table(sq);
-    plan_.push_back(sq);
-    plan_.push_back(int32_t(table.size()));
-    plan_.insert(plan_.end(), table.begin(), table.end());
-  }
-  send_command(kCmdForward, plan_);
-  model_->forward(batch, *kv_, *pool_, logits);
-}
-
-void Engine::follow() {
-  TF_CHECK(tp_.size == 2 && tp_.rank == 1, "follow() is for TP rank 1");
-  for (;;) {
-    // Idle until rank 0's next command: Ctrl-C is honoured while none of it has arrived, and
-    // only then (an interrupted exchange would desynchronise the pair). Rank 0's heartbeat
-    // keeps an idle wait inside the timeout. The engine lock is not held while idle.
-    int64_t header[4] = {0, 0, 0, 0};
-    group_->broadcast_idle(header, sizeof(header), kLeaderGroupRank);
-    std::lock_guard<std::mutex> lock(mu_);
-    const bool empty = header[1] == 0 && header[2] == 0 && header[3] == 0;
-    if (header[0] == kCmdPing && empty) continue;
-    if (header[0] == kCmdShutdown && empty) return;
-    if (header[0] != kCmdForward || header[2] != 0 || header[3] != 0)
-      fail(ErrorKind::InvalidInput, "TP follower: malformed command from rank 0 (", header[0], ", ", header[1], ", ",
-           header[2], ", ", header[3], ")");
-    if (header[1] < 8 || header[1] > max_plan_ints_)
-      fail(ErrorKind::InvalidInput, "TP follower: malformed plan from rank 0: ", header[1],
-           " ints (a plan for this engine has 8..", max_plan_ints_, ")");
-    plan_.resize(size_t(header[1]));
-    group_->broadcast(plan_.data(), plan_.size() * sizeof(int32_t), kLeaderGroupRank);
-    apply_plan();
-    model_->forward(batch_, *kv_, *pool_, logits_.data());
-  }
-}
-
-void Engine::apply_plan() {
-  // Everything here came from the network: check each field before it indexes anything.
-  size_t i = 0;
-  auto bad = [&](const auto&... what) {
-    fail(ErrorKind::InvalidInput, "TP follower: invalid plan from rank 0: ", what...);
-  };
-  auto next = [&]() {
-    if (i >= plan_.size()) bad("truncated (", plan_.size(), " ints)");
-    return plan_[i++];
-  };
-  const int64_t V = config().n_vocab;
-  const int max_seqs = kv_->max_seqs();
-  const int32_t T = next();
-  if (T < 1 || T > max_batch_tokens_) bad(T, " tokens (this engine takes 1..", max_batch_tokens_, " per step)");
-  batch_.clear();
-  int wants = 0;
-  for (int32_t t = 0; t < T; ++t) {
-    BatchToken b;
-    b.token = next();
-    b.pos = next();
-    b.seq = next();
-    const int32_t want = next();
-    if (b.token < 0 || b.token >= V) bad("token ", t, " has id ", b.token, " (vocabulary 0..", V - 1, ")");
-    if (b.pos < 0 || b.pos >= context_) bad("token ", t, " has position ", b.pos, " (context 0..", context_ - 1, ")");
-    if (b.seq < 0 || b.seq >= max_seqs)
-      bad("token ", t, " has sequence slot ", b.seq, " (valid 0..", max_seqs - 1, ")");
-    if (want != 0 && want != 1) bad("token ", t, " has want_logits ", want, " (0 or 1)");
-    b.want_logits = want != 0;
-    wants += want;
-    batch_.push_back(b);
-  }
-  if (wants > kMaxLogitRows) bad(wants, " logits rows (at most ", kMaxLogitRows, " per step)");
-  const int32_t n_seq = next();
-  if (n_seq < 1 || n_seq > T) bad(n_seq, " sequences for ", T, " tokens");
-  // New marks for this plan (a generation counter, so nothing needs clearing).
-  if (++plan_gen_ == 0) {
-    std::fill(slot_mark_.begin(), slot_mark_.end(), 0);
-    std::fill(block_mark_.begin(), block_mark_.end(), 0);
-    plan_gen_ = 1;
-  }
-  const int64_t max_table = (context_ + kKvBlockSize - 1) / kKvBlockSize;
-  const size_t tables_begin = i;
-  for (int32_t s = 0; s < n_seq; ++s) {
-    const int32_t slot = next();
-    const int32_t n = next();
-    if (slot < 0 || slot >= max_seqs) bad("sequence ", s, " has slot ", slot, " (valid 0..", max_seqs - 1, ")");
-    if (slot_mark_[size_t(slot)] == plan_gen_) bad("sequence slot ", slot, " is listed twice");
-    slot_mark_[size_t(slot)] = plan_gen_;
-    if (n < 1 || n > max_table) bad("sequence slot ", slot, " has a block table of ", n, " blocks (1..", max_table, ")");
-    if (plan_.size() - i < size_t(n)) bad("truncated block table of sequence slot ", slot);
-    slot_table_len_[size_t(slot)] = n;
-    for (int32_t k = 0; k < n; ++k) {
-      const int32_t blk = plan_[i + size_t(k)];
-      if (blk < 0 || blk >= kv_->n_blocks())
-        bad("sequence slot ", slot, " lists block ", blk, " (valid 0..", kv_->n_blocks() - 1, ")");
-      if (block_mark_[size_t(blk)] == plan_gen_) bad("block ", blk, " is used twice");
-      block_mark_[size_t(blk)] = plan_gen_;
-    }
-    i += size_t(n);
-  }
-  if (i != plan_.size()) bad(plan_.size() - i, " unexpected ints after the block tables");
-  for (size_t t = 0; t < batch_.size(); ++t) {
-    const BatchToken& b = batch_[t];
-    if (slot_mark_[size_t(b.seq)] != plan_gen_) bad("token ", t, " uses sequence slot ", b.seq, " which has no block table");
-    if (int64_t(b.pos) >= int64_t(slot_table_len_[size_t(b.seq)]) * kKvBlockSize)
-      bad("token ", t, " has position ", b.pos, " beyond the ", slot_table_len_[size_t(b.seq)],
-          " blocks of sequence slot ", b.seq);
-  }
-  // Valid: mirror the tables.
-  for (size_t j = tables_begin; j < i;) {
-    const int32_t slot = plan_[j], n = plan_[j + 1];
-    kv_->assign_table(slot, plan_.data() + j + 2, size_t(n));
-    j += 2 + size_t(n);
-  }
-}
-
-comm::GroupStats Engine::comm_stats() const {
-  return group_ ? group_->stats() : comm::GroupStats{};
 }
 
 int64_t Engine::free_kv_tokens() const {
@@ -409,7 +191,11 @@ int64_t Engine::free_kv_tokens() const {
 
 EngineStats Engine::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  EngineStats s = stats_;
+  s.kv_blocks_free = kv_->empty_blocks();
+  s.kv_blocks_cached = kv_->cached_blocks();
+  s.kv_blocks_used = kv_->n_blocks() - s.kv_blocks_free - s.kv_blocks_cached;
+  return s;
 }
 
 std::vector<std::vector<int64_t>> Engine::expert_usage() const {
@@ -443,6 +229,9 @@ int64_t Engine::add_request(const std::vector<int32_t>& prompt, const RequestPar
   TF_CHECK(sp.top_p > 0.f && sp.top_p <= 1.f, "top_p must be in (0, 1] (1 = off), got ", sp.top_p);
   TF_CHECK(sp.min_p >= 0.f && sp.min_p <= 1.f, "min_p must be in [0, 1] (0 = off), got ", sp.min_p);
   TF_CHECK(sp.top_k >= 0, "top_k must be >= 0 (0 = off), got ", sp.top_k);
+  TF_CHECK(params.top_logprobs >= -1 && params.top_logprobs <= kMaxTopLogprobs,
+           "top_logprobs must be -1 (off), 0 (the sampled token's) or 1..", kMaxTopLogprobs, ", got ",
+           params.top_logprobs);
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t id = next_id_++;
   seqs_.emplace(id, std::make_unique<Sequence>(id, prompt, params));
@@ -457,18 +246,66 @@ void Engine::abort(int64_t request_id) {
   seqs_.erase(it);
 }
 
-void Engine::finish(Sequence& s, FinishReason reason, std::vector<StepOutput>& out, int32_t token) {
-  out.push_back({s.id, token, true, reason});
-  if (s.slot >= 0) kv_->free_sequence(s.slot);
-  s.slot = -1;
-}
-
-void Engine::preempt(Sequence& s) {
-  // Recompute later: drop its cache; its generated tokens become part of what is re-read.
+void Engine::release_slot(Sequence& s) {
+  // Its blocks lose a reference: registered ones stay cached, the others are free again.
   if (s.slot >= 0) kv_->free_sequence(s.slot);
   s.slot = -1;
   s.n_computed = 0;
+  s.n_chained = 0;
+  s.chain_block = -1;
+  s.chain_broken = false;
+}
+
+void Engine::finish(Sequence& s, StepOutput&& o, std::vector<StepOutput>& out) {
+  o.finished = true;
+  out.push_back(std::move(o));
+  release_slot(s);
+}
+
+void Engine::preempt(Sequence& s) {
+  // Recompute later: drop its cache; its generated tokens become part of what is re-read (and
+  // its full blocks, cached, are likely still there to be reused).
+  release_slot(s);
   ++stats_.preemptions;
+}
+
+size_t Engine::attach_cached_prefix(Sequence& s) {
+  PrefixCache* pc = kv_->prefix_cache();
+  if (!pc) return 0;
+  s.chain_key = pc->root();
+  s.chain_block = -1;
+  // Whole blocks only, and never the last token: its logits are what the step samples from.
+  const size_t B = size_t(kKvBlockSize), max_blocks = (s.tokens.size() - 1) / B;
+  size_t n = 0;
+  for (; n < max_blocks; ++n) {
+    const int32_t* t = s.tokens.data() + n * B;
+    const uint64_t key = pc->chain(s.chain_key, t);
+    const int32_t b = pc->find(key, s.chain_block, t);
+    if (b < 0) break;
+    kv_->share(s.slot, b);
+    s.chain_key = key;
+    s.chain_block = b;
+  }
+  s.n_chained = n;
+  s.n_computed = n * B;
+  return n * B;
+}
+
+void Engine::register_full_blocks(Sequence& s) {
+  PrefixCache* pc = kv_->prefix_cache();
+  if (!pc || s.chain_broken || s.slot < 0) return;
+  const size_t B = size_t(kKvBlockSize), full = s.n_computed / B;
+  for (; s.n_chained < full; ++s.n_chained) {
+    const int32_t* t = s.tokens.data() + s.n_chained * B;
+    const uint64_t key = pc->chain(s.chain_key, t);
+    const int32_t b = kv_->register_block(s.slot, s.n_chained, key, s.chain_block, t);
+    if (b < 0) {
+      s.chain_broken = true;
+      return;
+    }
+    s.chain_key = key;
+    s.chain_block = b;
+  }
 }
 
 std::vector<StepOutput> Engine::step() {
@@ -483,7 +320,9 @@ std::vector<StepOutput> Engine::step() {
   // max_tokens == 0: finish at once without computing anything.
   for (auto it = seqs_.begin(); it != seqs_.end();) {
     if (it->second->params.max_tokens == 0) {
-      finish(*it->second, FinishReason::Length, out, -1);
+      StepOutput o{it->first, -1, true, FinishReason::Length};
+      o.has_logprobs = it->second->params.top_logprobs >= 0;
+      finish(*it->second, std::move(o), out);
       it = seqs_.erase(it);
     } else {
       ++it;
@@ -519,17 +358,19 @@ std::vector<StepOutput> Engine::step() {
     if (budget == 0 || logit_rows == kMaxLogitRows) break;
     if (s.slot >= 0 && s.tokens.size() - s.n_computed == 1) continue;  // decode, handled above
     if (std::find(batch_owner_.begin(), batch_owner_.end(), &s) != batch_owner_.end()) continue;
-    const size_t pending = s.tokens.size() - s.n_computed;
-    const size_t chunk = std::min<size_t>(pending, size_t(budget));
     const bool new_slot = s.slot < 0;
     if (new_slot) s.slot = kv_->create_sequence();
     if (s.slot < 0) break;  // every sequence slot is taken: wait for one to finish
+    const size_t cached = new_slot ? attach_cached_prefix(s) : 0;
+    const size_t pending = s.tokens.size() - s.n_computed;
+    const size_t chunk = std::min<size_t>(pending, size_t(budget));
     if (!kv_->reserve(s.slot, int64_t(s.n_computed + chunk))) {
-      if (new_slot) {
-        kv_->free_sequence(s.slot);
-        s.slot = -1;
-      }
+      if (new_slot) release_slot(s);  // the shared blocks go back to the cache
       break;  // keep arrival order: later requests wait too
+    }
+    if (cached > 0) {
+      ++stats_.prefix_cache_hits;
+      stats_.prefix_cached_tokens += int64_t(cached);
     }
     for (size_t i = 0; i < chunk; ++i) {
       const size_t pos = s.n_computed + i;
@@ -562,8 +403,17 @@ std::vector<StepOutput> Engine::step() {
   for (size_t i = 0; i < batch_.size(); ++i) {
     Sequence& s = *batch_owner_[i];
     s.n_computed = size_t(batch_[i].pos) + 1;
+    // A sequence's tokens are contiguous in the batch: after its last one, its newly full
+    // blocks (prompt and generated tokens alike) join the prefix cache.
+    if (i + 1 == batch_.size() || batch_owner_[i + 1] != &s) register_full_blocks(s);
     if (!batch_[i].want_logits) continue;
-    const int32_t tok = s.sampler.sample(logits_.data() + size_t(row++) * size_t(V), V);
+    const float* lg = logits_.data() + size_t(row++) * size_t(V);
+    const int32_t tok = s.sampler.sample(lg, V);
+    StepOutput o{s.id, tok, false, FinishReason::None};
+    if (s.params.top_logprobs >= 0) {
+      o.has_logprobs = true;
+      o.logprob = token_logprobs(lg, V, tok, s.params.top_logprobs, o.top);
+    }
     s.tokens.push_back(tok);
     ++s.n_generated;
     ++stats_.generated_tokens;
@@ -574,10 +424,11 @@ std::vector<StepOutput> Engine::step() {
     else if (s.n_generated >= s.params.max_tokens || int64_t(s.tokens.size()) >= context_)
       reason = FinishReason::Length;
     if (reason != FinishReason::None) {
-      finish(s, reason, out, tok);
+      o.reason = reason;
+      finish(s, std::move(o), out);
       done.push_back(s.id);
     } else {
-      out.push_back({s.id, tok, false, FinishReason::None});
+      out.push_back(std::move(o));
     }
   }
   for (int64_t id : done) seqs_.erase(id);

@@ -4,6 +4,14 @@
 // new tokens. Sequences finish on an end-of-generation token, max_tokens or the context
 // limit, or are aborted; their KV blocks return to the pool.
 //
+// Prefix cache (EngineOptions::prefix_cache, on by default): every full KV block a sequence
+// computes is registered under its whole token prefix (kv/prefix_cache.h). A request whose
+// tokens start with registered blocks maps them into its block table (shared, read-only)
+// and prefills only the rest; at least its last token is always computed, so there are
+// logits to sample from. The blocks outlive their sequences and are evicted, least recently
+// released first, only when a reservation finds no empty block. Outputs are exactly those
+// without the cache: a row of K/V has the same bits whichever batch computed it.
+//
 // Thread safety: every public method may be called from any thread; one mutex serialises
 // them, so step() and a concurrent abort() / add_request() / logits() never interleave.
 #pragma once
@@ -16,6 +24,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/group.h"
@@ -52,6 +61,7 @@ struct EngineOptions {
   // Bytes this rank may use (the memory plan is checked against it before anything is
   // allocated); 0: the memory available now; < 0: no budget.
   int64_t memory_budget = 0;
+  bool prefix_cache = true;    // reuse the KV blocks of earlier identical prompt prefixes
   TpOptions tp;
 };
 
@@ -60,6 +70,9 @@ struct RequestParams {
   int max_tokens = 128;
   std::vector<int32_t> eog_ids;  // end-of-generation tokens
   bool ignore_eos = false;
+  // Log-probabilities of the output tokens: -1 off; 0 the sampled token's; k in 1..20 also
+  // the k most likely tokens' (see StepOutput).
+  int top_logprobs = -1;
 };
 
 enum class FinishReason { None, Stop, Length, Abort };
@@ -70,11 +83,22 @@ struct StepOutput {
   int32_t token;             // -1 when the event carries no token (abort)
   bool finished;
   FinishReason reason;
+  // The request asked for log-probabilities (top_logprobs >= 0). Events with a token then
+  // carry them under the model's own distribution (token_logprobs in engine/sampler.h):
+  // the token's, and the top_logprobs most likely ones, most likely first.
+  bool has_logprobs = false;
+  float logprob = 0.f;
+  std::vector<std::pair<int32_t, float>> top;
 };
 
 struct EngineStats {
   int64_t steps = 0, prompt_tokens = 0, generated_tokens = 0, preemptions = 0;
   double prefill_seconds = 0, decode_seconds = 0;
+  // Prefix cache: admissions that reused >= 1 cached block, and the prompt tokens they did
+  // not prefill. KV blocks: used (held by sequences), free (empty), cached (kept for reuse,
+  // held by none, evictable); the three add up to the pool.
+  int64_t prefix_cache_hits = 0, prefix_cached_tokens = 0;
+  int64_t kv_blocks_used = 0, kv_blocks_free = 0, kv_blocks_cached = 0;
 };
 
 class Engine {
@@ -82,6 +106,9 @@ class Engine {
   static constexpr int kMaxBatchTokens = 4096;
   static constexpr int64_t kMaxKvTokens = int64_t(1) << 30;
   static constexpr int64_t kMaxContext = int64_t(1) << 24;
+  static constexpr int kKvBlockSize = 16;
+  static constexpr int kMaxLogitRows = 64;  // logits rows one step may produce (= max sequences per step)
+  static constexpr int kMaxTopLogprobs = 20;
 
   Engine(const std::string& model_path, const EngineOptions& opts);
   ~Engine();
@@ -134,13 +161,24 @@ class Engine {
     size_t n_prompt;
     size_t n_computed = 0;        // tokens whose K/V are in the cache
     int slot = -1;                // KV slot, -1 while waiting
+    // Prefix cache chain: the first n_chained blocks of the table are registered (or stand
+    // for an equal registered block, chain_block, the last of them), chain_key their key.
+    size_t n_chained = 0;
+    int32_t chain_block = -1;
+    uint64_t chain_key = 0;
+    bool chain_broken = false;    // a key collision: this sequence registers nothing more
     RequestParams params;
     Sampler sampler;
     int n_generated = 0;
     Sequence(int64_t id_, const std::vector<int32_t>& p, const RequestParams& rp)
         : id(id_), tokens(p), n_prompt(p.size()), params(rp), sampler(rp.sampling) {}
   };
-  void finish(Sequence& s, FinishReason reason, std::vector<StepOutput>& out, int32_t token);
+  void finish(Sequence& s, StepOutput&& o, std::vector<StepOutput>& out);
+  void release_slot(Sequence& s);
+  // Prefix cache: maps the cached blocks the sequence's tokens start with into its new table
+  // (returns the tokens they cover); registers the blocks it has filled since last time.
+  size_t attach_cached_prefix(Sequence& s);
+  void register_full_blocks(Sequence& s);
   void logits_locked(const std::vector<int32_t>& ids, float* out);
   // TP follower: checks plan_ field by field, fills batch_ and mirrors the block tables.
   void apply_plan();
@@ -181,8 +219,9 @@ class Engine {
   std::vector<int32_t> plan_seqs_;     // distinct sequences of a plan (reused)
   std::vector<int64_t> done_;          // finished this step (reused)
   // TP follower: plan validation scratch (per-slot / per-block marks, reused every plan).
-  std::vector<uint32_t> slot_mark_, block_mark_;
-  std::vector<int32_t> slot_table_len_;
+  std::vector<uint32_t> slot_mark_, block_mark_, block_shared_;
+  std::vector<int32_t> slot_table_len_, block_slot_;
+  std::vector<int64_t> slot_table_at_;  // where each slot's table starts in plan_
   uint32_t plan_gen_ = 0;
   int64_t max_plan_ints_ = 0;
 };

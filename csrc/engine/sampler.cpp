@@ -17,6 +17,54 @@ int32_t Sampler::argmax(const float* logits, int64_t n) {
   return int32_t(best < 0 ? 0 : best);
 }
 
+float token_logprobs(const float* logits, int64_t n, int32_t token, int k,
+                     std::vector<std::pair<int32_t, float>>& top) {
+  // Online log-sum-exp: s = sum exp(x - m) over the finite logits, m their running maximum.
+  double m = -std::numeric_limits<double>::infinity(), s = 0.0;
+  int64_t n_inf = 0;  // +inf logits
+  // "a is more likely than b" (ties: the lower id); the heap keeps the k best, worst on top.
+  auto better = [](const std::pair<int32_t, float>& a, const std::pair<int32_t, float>& b) {
+    return a.second > b.second || (a.second == b.second && a.first < b.first);
+  };
+  top.clear();
+  const size_t want = size_t(std::max<int64_t>(0, std::min<int64_t>(k, n)));
+  top.reserve(want);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = std::isnan(logits[i]) ? -std::numeric_limits<float>::infinity() : logits[i];
+    if (x == std::numeric_limits<float>::infinity()) {
+      ++n_inf;
+    } else if (x > -std::numeric_limits<float>::infinity()) {
+      if (x > m) {
+        s = s * std::exp(m - double(x)) + 1.0;
+        m = x;
+      } else {
+        s += std::exp(double(x) - m);
+      }
+    }
+    if (want == 0) continue;
+    const std::pair<int32_t, float> c{int32_t(i), x};
+    if (top.size() < want) {
+      top.push_back(c);
+      std::push_heap(top.begin(), top.end(), better);
+    } else if (better(c, top.front())) {
+      std::pop_heap(top.begin(), top.end(), better);
+      top.back() = c;
+      std::push_heap(top.begin(), top.end(), better);
+    }
+  }
+  const double lse = m + std::log(s);  // -inf when no logit is finite
+  auto logprob = [&](float x) -> float {
+    if (n_inf > 0) return x == std::numeric_limits<float>::infinity() ? float(-std::log(double(n_inf)))
+                                                                      : -std::numeric_limits<float>::infinity();
+    if (!(s > 0.0) || !(x > -std::numeric_limits<float>::infinity())) return -std::numeric_limits<float>::infinity();
+    return float(double(x) - lse);
+  };
+  std::sort_heap(top.begin(), top.end(), better);  // most likely first
+  for (auto& t : top) t.second = logprob(t.second);
+  if (token < 0 || token >= n) return -std::numeric_limits<float>::infinity();
+  return logprob(std::isnan(logits[token]) ? -std::numeric_limits<float>::infinity() : logits[token]);
+}
+
 int32_t Sampler::sample(const float* logits, int64_t n) {
   if (n <= 0) return 0;
   // Invalid settings (NaN temperature, ...) are refused by Engine::add_request; here they

@@ -17,6 +17,15 @@ struct SamplingParams {
   uint64_t seed = 0;
 };
 
+// Log-probabilities of a logits row as OpenAI and vLLM report them: the log-softmax of the raw
+// logits (temperature 1, before any top-k / top-p / min-p filtering), whatever the request
+// samples with, so they describe the model, not the sampling settings. One pass: an online
+// log-sum-exp (in double) and a k-entry heap of the best tokens (ties: lower id first). Returns
+// the log-probability of `token`; `top` receives the k most likely (token, log-probability),
+// most likely first. NaN logits count as -inf; +inf logits share all the probability.
+float token_logprobs(const float* logits, int64_t n_vocab, int32_t token, int k,
+                     std::vector<std::pair<int32_t, float>>& top);
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {}

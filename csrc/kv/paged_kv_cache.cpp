@@ -48,6 +48,34 @@ PagedKvCache::PagedKvCache(int n_layer, const KvLayout& layout, int block_size, 
   free_list_.reserve(size_t(n_blocks));
   // Hand out low block ids first (LIFO stack: push in reverse).
   for (int64_t b = n_blocks - 1; b >= 0; --b) free_list_.push_back(int32_t(b));
+  refs_.assign(size_t(n_blocks), 0);
+}
+
+void PagedKvCache::enable_prefix_cache(uint64_t seed) {
+  if (!prefix_) prefix_ = std::make_unique<PrefixCache>(block_size_, n_blocks_, seed);
+}
+
+int32_t PagedKvCache::take_block() {
+  // An empty block first; else the cached block released longest ago (forgotten by the index).
+  if (!free_list_.empty()) {
+    const int32_t b = free_list_.back();
+    free_list_.pop_back();
+    return b;
+  }
+  return prefix_ ? prefix_->evict_oldest() : -1;
+}
+
+void PagedKvCache::share(int seq, int32_t block) {
+  TF_CHECK(prefix_ && block >= 0 && block < n_blocks_ && prefix_->registered(block),
+           "share: block ", block, " is not a cached block");
+  if (refs_[size_t(block)]++ == 0) prefix_->unpark(block);
+  tables_[size_t(seq)].push_back(block);
+}
+
+int32_t PagedKvCache::register_block(int seq, size_t index, uint64_t key, int32_t parent, const int32_t* tokens) {
+  const int32_t b = tables_[size_t(seq)][index];
+  if (prefix_->registered(b)) return b;  // shared from the cache: already there
+  return prefix_->insert(b, key, parent, tokens);
 }
 
 uint64_t PagedKvCache::bytes_per_token(int n_layer, const KvLayout& layout, KvType type) {
@@ -76,8 +104,18 @@ int PagedKvCache::create_sequence() {
 void PagedKvCache::free_sequence(int seq) {
   TF_CHECK(seq >= 0 && size_t(seq) < slot_used_.size() && slot_used_[size_t(seq)],
            "free_sequence: unknown sequence ", seq);
-  for (int32_t b : tables_[size_t(seq)]) free_list_.push_back(b);
-  tables_[size_t(seq)].clear();
+  // Last block first: a cached prefix's deeper blocks are parked before the blocks they follow,
+  // so eviction takes a chain from its end and never strands a reachable tail.
+  auto& table = tables_[size_t(seq)];
+  for (auto it = table.rbegin(); it != table.rend(); ++it) {
+    const int32_t b = *it;
+    if (--refs_[size_t(b)] > 0) continue;  // another sequence still reads it
+    if (prefix_ && prefix_->registered(b))
+      prefix_->park(b);
+    else
+      free_list_.push_back(b);
+  }
+  table.clear();
   slot_used_[size_t(seq)] = false;
 }
 
@@ -89,11 +127,12 @@ int64_t PagedKvCache::blocks_needed(int seq, int64_t n_tokens) const {
 
 bool PagedKvCache::reserve(int seq, int64_t n_tokens) {
   const int64_t need = blocks_needed(seq, n_tokens);
-  if (need > int64_t(free_list_.size())) return false;
+  if (need > free_blocks()) return false;
   auto& table = tables_[size_t(seq)];
   for (int64_t i = 0; i < need; ++i) {
-    table.push_back(free_list_.back());
-    free_list_.pop_back();
+    const int32_t b = take_block();
+    refs_[size_t(b)] = 1;
+    table.push_back(b);
   }
   return true;
 }

@@ -1,6 +1,10 @@
 // Paged KV cache: one pool of fixed-size blocks allocated once at start-up, per-sequence
 // block tables, blocks returned to the free list when a sequence ends. K and V are stored
 // as IEEE half (or float); the attention kind decides the rows (KvLayout).
+// Blocks are reference-counted: with the prefix cache on (enable_prefix_cache), a full block
+// may be registered (kv/prefix_cache.h) and then shared read-only by every sequence whose
+// prompt starts with the same tokens; when its last reference goes it stays cached and is
+// evicted, least recently released first, only when the free list is empty.
 // Every size is checked for overflow before the pool is allocated; block ids are int32, so
 // the pool holds at most 2^31 - 1 blocks, and at most max_seqs() sequences exist at once.
 #pragma once
@@ -8,6 +12,8 @@
 #include <cstdint>
 #include <memory>
 #include <vector>
+
+#include "kv/prefix_cache.h"
 
 namespace tf {
 
@@ -38,18 +44,30 @@ class PagedKvCache {
 
   int block_size() const { return block_size_; }
   int64_t n_blocks() const { return n_blocks_; }
-  int64_t free_blocks() const { return int64_t(free_list_.size()); }
+  // Blocks a reservation may take: empty ones plus cached ones no sequence uses.
+  int64_t free_blocks() const { return int64_t(free_list_.size()) + cached_blocks(); }
+  int64_t empty_blocks() const { return int64_t(free_list_.size()); }
+  int64_t cached_blocks() const { return prefix_ ? prefix_->n_parked() : 0; }
+  int64_t used_blocks() const { return n_blocks_ - free_blocks(); }
+
+  // Prefix cache (off until enabled; rank 0 only: a TP follower mirrors tables).
+  void enable_prefix_cache(uint64_t seed);
+  PrefixCache* prefix_cache() { return prefix_.get(); }
+  // Appends a registered block to the sequence's table (one more reference).
+  void share(int seq, int32_t block);
+  // Registers the table's full block `index` (see PrefixCache::insert for the result).
+  int32_t register_block(int seq, size_t index, uint64_t key, int32_t parent, const int32_t* tokens);
   size_t bytes() const { return n_elems_ * elem_size(); }
   // Touches every page of the pool now (the memory plan counts it resident from the start;
   // nothing is faulted in while serving).
   void prefault();
 
-  // Sequence slots. A slot owns the blocks listed in its block table. create_sequence
+  // Sequence slots. A slot holds a reference to each block of its block table. create_sequence
   // returns -1 when max_seqs() slots are in use.
   int create_sequence();
   void free_sequence(int seq);
   // Grow the sequence's table to hold n_tokens in total. All-or-nothing: returns false and
-  // changes nothing when the pool has too few free blocks.
+  // changes nothing when the pool has too few free blocks (empty or evictable).
   bool reserve(int seq, int64_t n_tokens);
   int64_t capacity(int seq) const;
   const std::vector<int32_t>& block_table(int seq) const { return tables_[size_t(seq)]; }
@@ -87,7 +105,10 @@ class PagedKvCache {
   // Uninitialised until prefault() touches it.
   std::unique_ptr<uint8_t[]> storage_;
   size_t n_elems_ = 0;
+  int32_t take_block();
   std::vector<int32_t> free_list_;
+  std::vector<int32_t> refs_;  // references per block (sequence tables holding it)
+  std::unique_ptr<PrefixCache> prefix_;
   std::vector<std::vector<int32_t>> tables_;
   std::vector<bool> slot_used_;
 };

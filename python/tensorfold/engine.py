@@ -156,8 +156,12 @@ class Engine:
     admits only a peer that proves it knows the same token (the token never crosses the wire).
     tp_compatible=True (TP=1) computes exactly as a TP=2 pair does, so their outputs are
     bit-identical (about 5-10% slower decode).
-    Engine.stats() reports token counts, timings and, for MoE models, the
-    tokens routed to each expert of each layer ("expert_usage").
+    prefix_cache=True (default) keeps the KV blocks of finished requests and reuses them for
+    prompts that start with the same tokens (a shared system prompt, the next chat turn):
+    those tokens are not prefilled again, and the output is exactly the same as without it.
+    Engine.stats() reports token counts, timings, prefix cache use ("prefix_cache_hits",
+    "prefix_cached_tokens"), KV blocks ("kv_blocks_used", "kv_blocks_free", "kv_blocks_cached")
+    and, for MoE models, the tokens routed to each expert of each layer ("expert_usage").
 
     close() (or leaving a `with Engine(...) as eng:` block) releases the native engine; later
     calls that need it raise RuntimeError. Streams that are not being read are parked after a
@@ -169,7 +173,7 @@ class Engine:
                  tp: int = 1, rank: int = 0, peer: str | None = None, rails: Sequence[str] | None = None,
                  timeout: float = 30.0, tp_compatible: bool = False, token: str | None = None,
                  memory_budget: int | str | None = None, transport: str = "tcp", wait: float = 0.0,
-                 load_timeout: float = 3600.0):
+                 load_timeout: float = 3600.0, prefix_cache: bool = True):
         self._core = None
         self._following = False
         self._closed = False
@@ -187,6 +191,8 @@ class Engine:
         transport = resolve_transport(transport)
         _float_in("wait", wait, 0.0, math.inf, note=" seconds (0: until rank 0 connects)")
         _float_in("load_timeout", load_timeout, 0.0, math.inf, lo_open=True, note=" seconds")
+        if not isinstance(prefix_cache, (bool, np.bool_)):
+            raise TypeError(f"prefix_cache must be True or False, not {type(prefix_cache).__name__}")
         self.path = resolve_model(model)
         self._gguf = _core.GgufFile(self.path)
         metadata = self._gguf.metadata()
@@ -203,7 +209,7 @@ class Engine:
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
                                   kv_type, tp, rank, peer or "", list(rails or []), float(timeout),
                                   bool(tp_compatible), token, budget, transport, float(wait),
-                                  float(load_timeout))
+                                  float(load_timeout), bool(prefix_cache))
         self._config = dict(self._core.config)
         self._context = self._core.context
         self._threads = self._core.threads
@@ -505,7 +511,8 @@ class Engine:
                     events = core.step()
                     if not events and not core.has_unfinished():
                         return (-1, True, "abort")
-                    for rid, tok, finished, why in events:
+                    for ev in events:  # (id, token, finished, reason[, logprobs])
+                        rid, tok, finished, why = ev[:4]
                         r = self._reqs.get(rid)
                         if r is None:
                             continue

@@ -1,0 +1,95 @@
+"""Log-probabilities of output tokens (add_request(top_logprobs=...)): the log-softmax of the
+model's raw logits (temperature 1, before top-k / top-p / min-p), as OpenAI and vLLM report
+them, checked against numpy on Engine.logits of the same tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tensorfold
+
+TOL = 2e-4  # float32 logits; the engine sums in double, numpy in float64
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    return tensorfold.Engine(smollm2_path, threads=2, context=512)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def run(core, prompt, n, **kw):
+    """Steps one request to the end; returns its events."""
+    rid = core.add_request(prompt, max_tokens=n, ignore_eos=True, **kw)
+    events = []
+    while core.has_unfinished():
+        events += [e for e in core.step() if e[0] == rid]
+    return events
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_greedy_logprobs_match_numpy_log_softmax(engine, k):
+    core = engine._core
+    prompt = engine.tokenize("The capital of France is")
+    events = run(core, prompt, 8, temperature=0.0, top_logprobs=k)
+    assert len(events) == 8 and all(len(e) == 5 for e in events)
+    toks = [e[1] for e in events]
+    ref = log_softmax(engine.logits(prompt + toks[:-1])[len(prompt) - 1:])
+    for j, (_, tok, _, _, (lp, top)) in enumerate(events):
+        assert isinstance(lp, float) and abs(lp - ref[j, tok]) < TOL
+        assert lp <= 0.0
+        assert len(top) == k
+        if k == 0:
+            continue
+        ids = [t for t, _ in top]
+        vals = np.array([v for _, v in top])
+        assert ids[0] == tok  # greedy: the sampled token is the most likely one
+        assert len(set(ids)) == k
+        assert np.all(np.diff(vals) <= 0)  # most likely first
+        np.testing.assert_allclose(vals, ref[j, ids], atol=TOL)
+        # the k best: nothing left out is more likely than the last one kept
+        rest = np.delete(ref[j], ids)
+        assert rest.max() <= vals[-1] + TOL
+
+
+def test_logprobs_ignore_temperature_and_filters(engine):
+    """Sampling at temperature 1.5 with top-k 5: the reported numbers are still the model's
+    own distribution (temperature 1, unfiltered)."""
+    core = engine._core
+    prompt = engine.tokenize("Once upon a time")
+    events = run(core, prompt, 6, temperature=1.5, top_k=5, top_p=0.9, min_p=0.0, seed=7, top_logprobs=3)
+    toks = [e[1] for e in events]
+    ref = log_softmax(engine.logits(prompt + toks[:-1])[len(prompt) - 1:])
+    for j, e in enumerate(events):
+        lp, top = e[4]
+        assert abs(lp - ref[j, e[1]]) < TOL
+        assert [t for t, _ in top] == list(np.argsort(-ref[j], kind="stable")[:3])
+
+
+def test_requests_without_logprobs_keep_the_4_tuple(engine):
+    core = engine._core
+    a = core.add_request([1, 2, 3], max_tokens=3, temperature=0.0, ignore_eos=True)
+    b = core.add_request([1, 2, 3], max_tokens=3, temperature=0.0, ignore_eos=True, top_logprobs=2)
+    c = core.add_request([4, 5], max_tokens=0, temperature=0.0, top_logprobs=1)
+    shapes = {a: set(), b: set(), c: set()}
+    got = {a: [], b: []}
+    while core.has_unfinished():
+        for e in core.step():
+            shapes[e[0]].add(len(e))
+            if e[0] in got:
+                got[e[0]].append(e[1])
+            if e[0] == c:
+                assert e[1] == -1 and e[2] and e[4] is None  # no token, so no log-probabilities
+    assert shapes == {a: {4}, b: {5}, c: {5}}
+    assert got[a] == got[b]
+
+
+@pytest.mark.parametrize("bad", [-2, 21, 1000, -100])
+def test_out_of_range_top_logprobs_is_refused(engine, bad):
+    with pytest.raises(ValueError, match=r"top_logprobs must be -1 \(off\), 0 .* or 1\.\.20, got " + str(bad)):
+        engine._core.add_request([1, 2, 3], max_tokens=2, top_logprobs=bad)
+    assert not engine._core.has_unfinished()
