@@ -5,7 +5,6 @@ look at the engine (KV blocks, active sequences) behind it."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import re
 import signal
@@ -358,6 +357,8 @@ def test_wrong_or_missing_api_key_is_401(server):
 def test_raw_http_errors(server):
     h = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000, headers=h)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(server.url + "/v1/chat/completions", json=[1, 2], headers=h)
     assert r.status_code == 400

@@ -17,7 +17,6 @@ import hmac
 import json
 import logging
 import math
-import os
 import secrets
 import signal
 import socket
@@ -201,6 +200,7 @@ class _State:
         self.on_load_error = on_load_error
         self.sched: Scheduler | None = None
         self.load_error: BaseException | None = None
+        self.load_thread: threading.Thread | None = None
         self.stopping = False
         self.created = int(time.time())
         self.lock = threading.Lock()
@@ -600,10 +600,12 @@ def _delta_error(d: Delta) -> ApiError:
 
 # -- the app -----------------------------------------------------------------------------
 def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] | None = None,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The ASGI app. Give a loaded `engine` (the app schedules it but does not close it), or
-    a `loader` that returns one: it runs in a thread at startup (/ready says 503 until it
-    returns; on_load_error is told when it raises) and the app closes the engine at shutdown."""
+               on_load_error: Callable[[BaseException], None] | None = None):
+    """The ASGI app to run with uvicorn (the FastAPI app inside a guard; its ``.state`` is
+    the server's state: ``.sched``, ``.engine``, ``.metrics``). Give a loaded `engine` (the
+    app schedules it but does not close it), or a `loader` that returns one: it runs in a
+    thread at startup (/ready says 503 until it returns; on_load_error is told when it
+    raises) and the app closes the engine at shutdown."""
     if (engine is None) == (loader is None):
         raise ValueError("give exactly one of engine and loader")
     state = _State(config, engine, loader, on_load_error)
@@ -613,7 +615,8 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
         if state.engine is not None:
             state.start()
         else:
-            threading.Thread(target=state.load, name="tensorfold-load", daemon=True).start()
+            state.load_thread = threading.Thread(target=state.load, name="tensorfold-load", daemon=True)
+            state.load_thread.start()
         try:
             yield
         finally:
@@ -684,6 +687,8 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        except RecursionError:
+            raise _bad("the request body nests JSON too deeply", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object", None, "invalid_json")
         return body
@@ -724,11 +729,11 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
         try:
             req = sched.submit(ids, asyncio_sink(loop, q), max_tokens=max_tokens, **kwargs)
         except QueueFull as e:
-            raise ApiError(429, f"the server is busy: {e}", code="queue_full", headers={"Retry-After": "1"})
+            raise ApiError(429, f"the server is busy: {e}", code="queue_full", headers={"Retry-After": "1"}) from None
         except SchedulerClosed as e:
-            raise ApiError(503, str(e), code="shutting_down")
+            raise ApiError(503, str(e), code="shutting_down") from None
         except ValueError as e:
-            raise _bad(str(e), "logprobs" if "logprobs" in str(e) else None)
+            raise _bad(str(e), "logprobs" if "logprobs" in str(e) else None) from None
         state.metrics.prompt_tokens.inc(len(ids))
         cid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
@@ -909,6 +914,13 @@ def serve(*, model_name: str, loader: Callable[[], Any], host: str = "127.0.0.1"
         for sig, h in handlers.items():
             signal.signal(sig, h)
         sock.close()
+    loading = app.state.load_thread
+    if loading is not None and loading.is_alive():
+        # Stopped while the model was loading (e.g. still connecting to the TP peer): the load
+        # ends within its timeout and the engine is closed then; exiting under it would kill
+        # a thread inside the native constructor.
+        print("tensorfold: waiting for the model load in progress to end ...", file=sys.stderr, flush=True)
+        loading.join()
     if failed:
         e = failed[0]
         raise e if isinstance(e, (ValueError, OSError, RuntimeError, MemoryError)) else RuntimeError(str(e))
