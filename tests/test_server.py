@@ -395,7 +395,8 @@ def test_disconnect_mid_stream_frees_the_sequence(server, engine):
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
             assert r.status_code == 200
             n = 0
-            for line in r.iter_lines():
+            lines = r.iter_lines()  # kept: a collected iterator closes the connection
+            for line in lines:
                 if line.startswith("data: "):
                     n += 1
                 if n >= 4:

@@ -17,11 +17,13 @@ QueueFull instead of letting the backlog grow without end.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -107,6 +109,18 @@ class Observer:
     def finished(self, req: Request) -> None: ...
 
 
+# Schedulers still open at interpreter exit are closed first (this runs before the Engine's
+# own exit handler, registered earlier): their thread must not be inside a native step when
+# Python finalizes.
+_live: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    for sched in list(_live):
+        sched.close()
+
+
 def core_supports_logprobs(core) -> bool:
     """Whether the native add_request takes ``top_logprobs`` (its pybind11 signature says)."""
     doc = getattr(getattr(core, "add_request", None), "__doc__", None) or ""
@@ -143,6 +157,7 @@ class Scheduler:
         engine._owner = self
         self._thread = threading.Thread(target=self._main, name="tensorfold-scheduler", daemon=True)
         self._thread.start()
+        _live.add(self)
 
     # -- callers' side (any thread) ----------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], sink: Callable[[Delta], None], *, max_tokens: int = 128,
@@ -289,41 +304,42 @@ class Scheduler:
             self._shutdown(err)
 
     def _work(self, cancels: list[Request], admit: list[Request]) -> None:
-        eng = self.engine
-        with eng._lock:
-            core = eng._native()
-            for req in cancels:
-                if req.state != "done" and req.rid is not None:
-                    self._running.pop(req.rid, None)
-                    core.abort(req.rid)
-                    req.rid = None
-                    self._deliver(req, Delta(finish_reason="abort"))
-            for req in admit:
-                if req.cancelled:
-                    self._deliver(req, Delta(finish_reason="abort"))
-                    continue
-                kw = {"top_logprobs": req.top_logprobs} if req.top_logprobs >= 0 else {}
-                try:
-                    rid = core.add_request(req.prompt_ids, req.max_tokens, *req.sampling, **kw)
-                except Exception as e:
-                    self._deliver(req, Delta(error=e))
-                    continue
-                req.rid = rid
-                self._running[rid] = req
-            if not self._running:
-                return
+        # The native engine serialises its own methods; the Python Engine's lock is not held
+        # here, so stats() from other threads gets in between steps (a lock re-taken at once
+        # after every step would starve them).
+        core = self.engine._native()
+        for req in cancels:
+            if req.state != "done" and req.rid is not None:
+                self._running.pop(req.rid, None)
+                core.abort(req.rid)
+                req.rid = None
+                self._deliver(req, Delta(finish_reason="abort"))
+        for req in admit:
+            if req.cancelled:
+                self._deliver(req, Delta(finish_reason="abort"))
+                continue
+            kw = {"top_logprobs": req.top_logprobs} if req.top_logprobs >= 0 else {}
             try:
-                events = core.step()
+                rid = core.add_request(req.prompt_ids, req.max_tokens, *req.sampling, **kw)
             except Exception as e:
-                log.error("engine step failed: %s: %s (failing %d request(s))", type(e).__name__, e,
-                          len(self._running))
-                self._fail_running(core, e)
-                return
-            now = time.monotonic()
-            for ev in events:
-                self._on_event(core, ev, now)
-            if not events and self._running and not core.has_unfinished():
-                self._fail_running(core, RuntimeError("the engine dropped the request(s) without finishing them"))
+                self._deliver(req, Delta(error=e))
+                continue
+            req.rid = rid
+            self._running[rid] = req
+        if not self._running:
+            return
+        try:
+            events = core.step()
+        except Exception as e:
+            log.error("engine step failed: %s: %s (failing %d request(s))", type(e).__name__, e,
+                      len(self._running))
+            self._fail_running(core, e)
+            return
+        now = time.monotonic()
+        for ev in events:
+            self._on_event(core, ev, now)
+        if not events and self._running and not core.has_unfinished():
+            self._fail_running(core, RuntimeError("the engine dropped the request(s) without finishing them"))
 
     def _on_event(self, core, ev: tuple, now: float) -> None:
         rid, token, finished, why = ev[:4]
@@ -376,22 +392,20 @@ class Scheduler:
         closed = SchedulerClosed("the server is shutting down") if err is None else err
         for req in waiting:
             self._deliver(req, Delta(error=closed))
-        eng = self.engine
         try:
-            with eng._lock:
-                core = eng._core
-                for rid, req in list(self._running.items()):
-                    if core is not None:
-                        try:
-                            core.abort(rid)
-                        except Exception:
-                            pass
-                    req.rid = None
-                    self._deliver(req, Delta(error=closed))
-                self._running.clear()
+            core = self.engine._core
+            for rid, req in list(self._running.items()):
+                if core is not None:
+                    try:
+                        core.abort(rid)
+                    except Exception:
+                        pass
+                req.rid = None
+                self._deliver(req, Delta(error=closed))
+            self._running.clear()
         finally:
             self._n_running = 0
-            eng._owner = None
+            self.engine._owner = None
 
 
 def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[Delta], None]:
