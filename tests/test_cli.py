@@ -28,7 +28,7 @@ def run_cli(*args, stdin: str | None = None, timeout: float = 300):
 def test_help_lists_commands():
     r = run_cli("--help")
     assert r.returncode == 0
-    for cmd in ("chat", "generate", "info", "pull"):
+    for cmd in ("chat", "generate", "serve", "info", "pull"):
         assert cmd in r.stdout
     r = run_cli("generate", "--help")
     assert r.returncode == 0 and "--temperature" in r.stdout and "--max-tokens" in r.stdout
@@ -126,7 +126,7 @@ def test_every_option_of_every_command_has_help():
         if not (action.help or "").strip():
             missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
     assert not missing, f"options without help text: {missing}"
-    assert {("tensorfold", c) for c in ("chat", "generate", "worker", "info", "pull", "convert")} <= seen
+    assert {("tensorfold", c) for c in ("chat", "generate", "serve", "worker", "info", "pull", "convert")} <= seen
 
 
 def test_invalid_utf8_prompt_on_stdin_and_argv(smollm2_path):

@@ -1,4 +1,4 @@
-"""The `tensorfold` command line: chat, generate, worker, info, plan, pull, convert."""
+"""The `tensorfold` command line: chat, generate, serve, worker, info, plan, pull, convert."""
 from __future__ import annotations
 
 import argparse
@@ -268,6 +268,34 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _model_name(model: str) -> str:
+    """The id clients name the model by: a known model's name, else the file's name without
+    .gguf (a split model's first part without the -00001-of-0000N suffix)."""
+    import re
+
+    from .pull import known_models
+
+    if model in known_models() and not os.path.exists(model):
+        return model
+    base = os.path.basename(os.fspath(model))
+    base = re.sub(r"\.gguf$", "", base, flags=re.IGNORECASE)
+    return re.sub(r"-\d{5}-of-\d{5}$", "", base) or "model"
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        from . import server
+    except ImportError as e:
+        raise RuntimeError(f"tensorfold serve needs FastAPI, uvicorn and prometheus-client "
+                           f"(pip install 'tensorfold[serve]'): {e}") from None
+    model = a.model or DEFAULT_MODEL
+    api_key = a.api_key if a.api_key is not None else os.environ.get("TENSORFOLD_API_KEY")
+    return server.serve(model_name=a.model_name or _model_name(model), loader=lambda: _load(a, model),
+                        host=a.host, port=a.port, api_key=api_key or None, max_body_bytes=a.max_body_bytes,
+                        max_prompt_tokens=a.max_prompt_tokens, max_running=a.max_running,
+                        max_queue=a.max_queue, log_level=a.log_level)
+
+
 def cmd_worker(a: argparse.Namespace) -> int:
     from .engine import Engine
 
@@ -328,6 +356,18 @@ def _version() -> str:
     return f"tensorfold {__version__}" + (f" ({isa()})" if isa else "")
 
 
+def _fill(text: str) -> str:
+    import textwrap
+
+    return textwrap.fill(text, width=min(100, max(40, _terminal_width() - 2)))
+
+
+def _terminal_width() -> int:
+    import shutil
+
+    return shutil.get_terminal_size().columns
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tensorfold",
                                 description="TensorFold: run GGUF language models on the native engine.")
@@ -356,6 +396,50 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     _add_sampling_args(g, 128)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /metrics)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_fill("Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions and "
+                    "/v1/completions (streaming with stream=true), GET /v1/models; GET /health answers once the "
+                    "process is up, /ready once the model is loaded (it loads in the background), /metrics in "
+                    "Prometheus format. Requests are batched together by the engine; beyond --max-running "
+                    "they wait, and beyond --max-queue waiting ones are refused with 429. A client that "
+                    "disconnects has its generation cancelled."),
+        epilog="examples:\n"
+               "  tensorfold serve                                  # the default model on 127.0.0.1:8080\n"
+               "  TENSORFOLD_API_KEY=secret tensorfold serve model.gguf --host 0.0.0.0 --port 8000\n"
+               "  tensorfold serve model.gguf --tp 2 --peer 10.0.0.2:29500 --rails 10.0.0.1,10.0.1.1\n"
+               "\n"
+               "client:\n"
+               "  from openai import OpenAI\n"
+               "  c = OpenAI(base_url='http://127.0.0.1:8080/v1', api_key='secret')\n"
+               "  c.chat.completions.create(model='MODEL-NAME', messages=[{'role': 'user', 'content': 'hi'}])\n"
+               "\n"
+               "Needs the 'serve' extra: pip install 'tensorfold[serve]'.")
+    s.add_argument("model", nargs="?", help=f"GGUF path or known model name (default {DEFAULT_MODEL})")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for every "
+                        "interface — then set an API key)")
+    s.add_argument("--port", type=_int_in(0, 65535), default=8080, help="TCP port (default 8080; 0 = any free port)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TENSORFOLD_API_KEY, which keeps "
+                        "it out of the process list; unset = no key)")
+    s.add_argument("--model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the known model's name, or "
+                        "the file name without .gguf)")
+    s.add_argument("--max-running", type=_int_in(1, 4096), default=32,
+                   help="requests generated together at most; later ones wait (default 32)")
+    s.add_argument("--max-queue", type=_int_in(0, 1_000_000), default=64,
+                   help="waiting requests at most; beyond, new requests get 429 (default 64)")
+    s.add_argument("--max-body-bytes", type=_int_in(1, 2**40), default=8 * 2**20,
+                   help="largest request body accepted; larger ones get 413 (default 8 MiB)")
+    s.add_argument("--max-prompt-tokens", type=_int_in(1), default=None,
+                   help="longest prompt accepted in tokens; longer ones get 400 (default: the context minus one)")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="server log level (default info; debug also logs every request)")
+    _add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
 
     w = sub.add_parser("worker", help="tensor-parallel rank 1: serve rank 0's forward passes",
                        description="Runs TP rank 1 of a two-machine model: listens on --listen, holds half "

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _core
 from .chat_template import render_chat
-from .tokenizer import StreamDecoder, Tokenizer, clean_text
+from .tokenizer import TextStream, Tokenizer, clean_text
 
 _INT32_MAX = 2**31 - 1
 
@@ -177,6 +177,7 @@ class Engine:
         self._core = None
         self._following = False
         self._closed = False
+        self._owner = None  # a Scheduler (tensorfold.scheduler) that alone drives the native requests
         self._lock = threading.RLock()
         self._reqs: dict[int, _Request] = {}  # native id -> request
         self._to_abort: collections.deque[int] = collections.deque()  # released while the lock was busy
@@ -432,26 +433,12 @@ class Engine:
     def _run(self, req: _Request, stops: list[str]) -> Iterator[tuple[str, int | None, str | None]]:
         """Yields (text_piece, token_id, finish_reason) as tokens arrive; the last item has
         the finish reason. Stop strings are matched on the text and never emitted."""
-        hold = max((len(s) for s in stops), default=1) - 1
-        decoder = StreamDecoder(self.tokenizer)
-        eog = self.tokenizer.eog_ids
-        pending = ""
+        text = TextStream(self.tokenizer, stops)
         reason = None
         try:
             while reason is None:
                 token, finished, why = self._next_event(req)
-                if token >= 0 and not (finished and why == "stop" and token in eog):
-                    pending += decoder.feed(token)
-                if finished:
-                    reason = why
-                    pending += decoder.flush()
-                if stops:
-                    cut = min((pending.find(s) for s in stops if s in pending), default=-1)
-                    if cut >= 0:
-                        pending = pending[:cut]
-                        reason = "stop"
-                emit = pending if reason else pending[: max(0, len(pending) - hold)]
-                pending = pending[len(emit):]
+                emit, reason = text.feed(token, finished, why)
                 yield emit, (token if token >= 0 else None), reason
         finally:
             self._release(req)
@@ -493,6 +480,9 @@ class Engine:
     def _next_event(self, req: _Request) -> tuple[int, bool, str]:
         """Next (token, finished, reason) of `req`, stepping the engine as needed. Events of
         other requests (interleaved streams) are queued for them."""
+        if self._owner is not None:
+            raise RuntimeError("this engine is driven by a tensorfold.scheduler.Scheduler (e.g. tensorfold "
+                               "serve); submit requests through the scheduler, or close it first")
         req.waiting = True
         try:
             with self._lock:

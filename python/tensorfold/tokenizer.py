@@ -29,7 +29,7 @@ def clean_text(text: str) -> str:
     return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
-__all__ = ["Tokenizer", "StreamDecoder", "TokenAttr", "bytes_to_unicode", "clean_text"]
+__all__ = ["Tokenizer", "StreamDecoder", "TextStream", "TokenAttr", "bytes_to_unicode", "clean_text"]
 
 
 # --------------------------------------------------------------------------------------
@@ -784,3 +784,45 @@ class StreamDecoder:
         tail = self.flush()
         if tail:
             yield tail
+
+
+class TextStream:
+    """The text of one generation as its tokens arrive, for every reader that streams it
+    (Engine.stream/generate and the HTTP server): UTF-8-safe detokenization (StreamDecoder),
+    the end-of-generation token that finished it left out, and stop strings matched on the
+    text. Text that could still be the start of a stop string is held back; a matched stop
+    string and everything after it are never emitted.
+
+    ``feed(token, finished, reason)`` takes one engine event (token -1: none) and returns
+    ``(text, reason)``: the text now safe to emit (possibly "") and the finish reason —
+    the engine's when it finished, "stop" when a stop string matched (the caller then ends
+    the native request), else None. After a reason was returned the stream is done.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = ()) -> None:
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._decoder = StreamDecoder(tokenizer)
+        self._eog = tokenizer.eog_ids
+        self._pending = ""
+        self.reason: str | None = None
+
+    def feed(self, token: int, finished: bool = False, reason: str | None = None) -> tuple[str, str | None]:
+        if self.reason is not None:
+            return "", self.reason
+        pending = self._pending
+        if token >= 0 and not (finished and reason == "stop" and token in self._eog):
+            pending += self._decoder.feed(token)
+        why = None
+        if finished:
+            why = reason
+            pending += self._decoder.flush()
+        if self.stops:
+            cut = min((pending.find(s) for s in self.stops if s in pending), default=-1)
+            if cut >= 0:
+                pending = pending[:cut]
+                why = "stop"
+        emit = pending if why else pending[: max(0, len(pending) - self._hold)]
+        self._pending = pending[len(emit):]
+        self.reason = why
+        return emit, why
