@@ -21,8 +21,10 @@ def main() -> None:
     model, peer, rails, timeout, context = sys.argv[1:6]
     prompts = json.loads(sys.argv[6])
     pause_p, pause_after = (int(sys.argv[7]), int(sys.argv[8])) if len(sys.argv) > 8 else (-1, -1)
+    # No prefix cache: a re-run prompt must prefill again (its striped All-Reduces are what the
+    # rail tests exercise).
     eng = tensorfold.Engine(model, threads=1, context=int(context), tp=2, rank=0, peer=peer,
-                            rails=rails.split(","), timeout=float(timeout))
+                            rails=rails.split(","), timeout=float(timeout), prefix_cache=False)
     out: dict = {"tokens": [], "seconds": []}
     try:
         for p, ids in enumerate(prompts):
