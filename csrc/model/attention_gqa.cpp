@@ -70,7 +70,8 @@ void LlamaModel::attention(const std::vector<BatchToken>& batch, int layer, Page
   // contiguous runs, many more runs than threads: causal prefill's triangular cost evens out
   // because threads claim runs as they come free.
   const int max_block = std::max(1, kAttentionBlockRows / group);
-  std::vector<std::pair<int64_t, int>> blocks;  // (first token, tokens)
+  std::vector<std::pair<int64_t, int>>& blocks = attn_blocks_;  // (first token, tokens); reused, no allocation
+  blocks.clear();
   for (int64_t t = 0; t < T; ++t) {
     if (!blocks.empty()) {
       auto& [t0, nt] = blocks.back();

@@ -137,6 +137,7 @@ uint64_t LlamaModel::reserve(int max_tokens, int64_t max_ctx, int n_threads, boo
     take(head_act_[l].data, T * size_t(local_heads_) * head_act_[l].stride);
   }
   if (!count_only) {
+    attn_blocks_.reserve(T);  // at most one run per token
     jobs_.clear();
     jobs_.reserve(size_t(std::max<int64_t>(2 * std::max(cfg_.n_expert, 2), local_heads_) + 4));
     reset_expert_usage();

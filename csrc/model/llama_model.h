@@ -245,6 +245,7 @@ class LlamaModel {
   std::vector<int32_t> slot_of_;        // [T * n_used] -> row in expert order
   ActBuf exp_act_[kLayouts];  // gathered in expert order
   std::vector<MatmulJob> jobs_;
+  std::vector<std::pair<int64_t, int>> attn_blocks_;  // attention(): runs of one sequence's tokens
   std::vector<std::vector<int64_t>> expert_usage_;
   bool tracing_ = false;
   std::vector<std::vector<int32_t>> trace_;
