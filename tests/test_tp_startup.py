@@ -74,3 +74,80 @@ def test_worker_wait_limit_and_transport_choice():
     from tensorfold.engine import resolve_transport
 
     assert resolve_transport("auto") in ("tcp", "ibverbs")  # ibverbs only with an RDMA device
+
+
+# -- the page cache of TP slices ----------------------------------------------------------
+def _resident_pages(path: str) -> np.ndarray:
+    """mincore(2) of the whole file: True where the page is in the page cache (asked of the
+    kernel through a fresh mapping, not of the engine's own bookkeeping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+        rc = libc.mincore(addr, size, vec)
+        libc.munmap(addr, size)
+        assert rc == 0, os.strerror(ctypes.get_errno())
+    finally:
+        os.close(fd)
+    return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
+
+
+def test_tp_slices_leave_no_page_cache(smollm2_path, tmp_path):
+    # Each rank keeps a private copy of its slices; the file's pages they were read through
+    # must not stay cached as well (on a 128 GB machine holding half of a 200 GB file, they
+    # would push out what the machine needs). Column slices read whole rows, so this checks
+    # their windows are dropped, not just each rank's half.
+    import gguf
+
+    model = str(tmp_path / "model.gguf")
+    with open(smollm2_path, "rb") as src, open(model, "wb") as dst:
+        while chunk := src.read(1 << 24):
+            dst.write(chunk)
+        dst.flush()
+        os.fsync(dst.fileno())
+    fd = os.open(model, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if _resident_pages(model).mean() > 0.05:
+        pytest.skip("this filesystem keeps the file's pages cached whatever is asked (tmpfs?)")
+
+    page = os.sysconf("SC_PAGESIZE")
+    sliced = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+    ranges = {}
+    for t in gguf.GGUFReader(model).tensors:
+        role = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if role in sliced:
+            first, end = -(-t.data_offset // page), (t.data_offset + t.n_bytes) // page  # whole pages only
+            ranges.setdefault(role, []).append((first, end))
+    assert {"attn_output", "ffn_down"} <= set(ranges)  # the column-sliced roles
+
+    port = free_port()
+    worker = _worker_for(model, port)
+    eng = tensorfold.Engine(model, threads=1, context=256, tp=2, rank=0, peer=f"127.0.0.1:{port}", timeout=10)
+    try:
+        assert len(eng.generate(IDS, max_tokens=4, temperature=0, ignore_eos=True).token_ids) == 4
+        resident = _resident_pages(model)
+    finally:
+        eng.close()
+        _, err = worker.communicate(timeout=60)
+    assert worker.returncode == 0, err
+    for role, spans in ranges.items():
+        pages = np.concatenate([resident[a:b] for a, b in spans])
+        assert pages.size > 0
+        assert pages.mean() <= 0.01, f"{role}: {pages.sum()} of {pages.size} pages of the file still cached"
+
+
+def _worker_for(model: str, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tensorfold.cli", "worker", model, "--listen",
+                             f"127.0.0.1:{port}", "-t", "1", "-c", "256", "--tp-timeout", "10"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

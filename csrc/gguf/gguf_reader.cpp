@@ -868,8 +868,12 @@ bool GgufFile::get_bool(const std::string& key, bool def) const {
 }
 
 void GgufFile::advise_random() const {
-  for (const GgufPart& part : parts_)
+  for (const GgufPart& part : parts_) {
     if (part.base && part.size > 0) madvise(const_cast<uint8_t*>(part.base), size_t(part.size), MADV_RANDOM);
+    // No read-ahead for pread either: it would cache pages past each read (the other rank's
+    // half of a row range) that nobody reads here, so nothing drops them again.
+    if (part.fd >= 0) ::posix_fadvise(part.fd, 0, 0, POSIX_FADV_RANDOM);
+  }
 }
 
 void GgufFile::prefault() const {

@@ -107,8 +107,10 @@ class GgufFile {
   // The part whose mapping holds the bytes [p, p + n), and p's offset in that file (for
   // reading them with pread); throws when they are not inside one mapping.
   std::pair<const GgufPart*, uint64_t> locate(const uint8_t* p, uint64_t n) const;
-  // Random-access hint for every mapping: no read-ahead and no fault-around, so a process
-  // that reads only some tensor ranges (a TP rank) maps only the pages it touches.
+
+  // Random-access hint for every mapping and file descriptor: no read-ahead and no
+  // fault-around, so a process that reads only some tensor ranges (a TP rank) caches only
+  // the pages it reads.
   void advise_random() const;
   // Faults every page of every part in (reads one byte a page), so the mapping is resident.
   void prefault() const;

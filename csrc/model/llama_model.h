@@ -157,6 +157,8 @@ class LlamaModel {
   ExpertWeight slice_cols(const ExpertWeight& w, int64_t c0, int64_t c1);
   // pread of the n mapped bytes at src from the file (part) they belong to.
   void read_at(const uint8_t* src, void* dst, size_t n, bool drop_cache = true) const;
+  // Bytes [skip, skip + n) of each of `rows` rows (row_stride apart, from src) into dst, n apart.
+  void read_cols(const uint8_t* src, int64_t rows, size_t row_stride, size_t skip, size_t n, uint8_t* dst) const;
   void reduce(float* data, int64_t n);
   const float* load_vector(const std::string& name, int64_t n, bool required = true);
   // Quantizes T rows of x (ldx floats apart, k values each) once per activation layout the

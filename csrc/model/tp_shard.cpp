@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <numeric>
 
 #include <fcntl.h>
@@ -20,23 +21,50 @@ namespace {
 int64_t block_of(const Weight& w) { return w.rows > 0 ? find_type_traits(uint32_t(w.type))->block_size : 1; }
 }  // namespace
 
+namespace {
+constexpr size_t kReadWindow = size_t(64) << 20;  // bytes per pread: large, yet a small transient
+
+// Drops the file's cached pages of [offset, offset + n), rounded out to whole pages: a partial
+// page would otherwise stay. Pages someone has mapped (or dirty ones) are never dropped, so
+// the rounding cannot hurt another user of the file; a neighbour's page merely is re-read.
+void drop_page_cache(int fd, uint64_t offset, size_t n) {
+  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  const uint64_t begin = offset / page * page, end = (offset + n + page - 1) / page * page;
+  ::posix_fadvise(fd, off_t(begin), off_t(end - begin), POSIX_FADV_DONTNEED);
+}
+}  // namespace
+
 void LlamaModel::read_at(const uint8_t* src, void* dst, size_t n, bool drop_cache) const {
   // Read from the file rather than the mapping, so the mapping's pages stay untouched; the
   // part (of a split model) that holds the bytes is found from their address.
   const auto [part, start] = file_->locate(src, n);
   uint64_t offset = start;
-  const size_t total = n;
   auto* p = static_cast<uint8_t*>(dst);
   while (n > 0) {
     check_interrupt();  // TP loads read gigabytes: Ctrl-C must not wait for all of them
-    const ssize_t r = ::pread(part->fd, p, std::min(n, size_t(64) << 20), off_t(offset));
+    const ssize_t r = ::pread(part->fd, p, std::min(n, kReadWindow), off_t(offset));
     if (r <= 0) fail(ErrorKind::Runtime, part->shown, ": read failed while loading a TP slice");
+    // The private copy is what stays resident; the file's pages go as soon as they are copied.
+    if (drop_cache) drop_page_cache(part->fd, offset, size_t(r));
     p += r;
     offset += uint64_t(r);
     n -= size_t(r);
   }
-  // The private copy is what stays resident; don't also keep the file's pages cached.
-  if (drop_cache) ::posix_fadvise(part->fd, off_t(start), off_t(total), POSIX_FADV_DONTNEED);
+}
+
+void LlamaModel::read_cols(const uint8_t* src, int64_t rows, size_t row_stride, size_t skip, size_t n,
+                           uint8_t* dst) const {
+  // Whole rows in windows of about kReadWindow, one pread each (a pread per row part would be
+  // millions of small reads, and dropping a part's pages would miss the pages it shares with
+  // the other rank's part), then this rank's part of every row is copied out.
+  const int64_t window = std::max<int64_t>(1, int64_t(kReadWindow / row_stride));
+  std::unique_ptr<uint8_t[]> buf(new uint8_t[size_t(std::min(window, rows)) * row_stride]);
+  for (int64_t r0 = 0; r0 < rows; r0 += window) {
+    const int64_t cnt = std::min(window, rows - r0);
+    read_at(src + size_t(r0) * row_stride, buf.get(), size_t(cnt) * row_stride);
+    for (int64_t r = 0; r < cnt; ++r)
+      std::memcpy(dst + size_t(r0 + r) * n, buf.get() + size_t(r) * row_stride + skip, n);
+  }
 }
 
 Weight LlamaModel::slice_rows(const Weight& w, int64_t r0, int64_t r1) {
@@ -87,12 +115,9 @@ Weight LlamaModel::slice_cols(const Weight& w, int64_t c0, int64_t c1) {
   s.k = c1 - c0;
   s.row_stride = row_bytes(w.type, s.k);
   if (tp_.plan_only) return s;
-  const size_t skip = row_bytes(w.type, c0);
   owned_weights_.emplace_back(new uint8_t[s.row_stride * size_t(w.rows)]);
-  uint8_t* dst = owned_weights_.back().get();
-  for (int64_t r = 0; r < w.rows; ++r)
-    read_at(w.data + size_t(r) * w.row_stride + skip, dst + size_t(r) * s.row_stride, s.row_stride);
-  s.data = dst;
+  read_cols(w.data, w.rows, w.row_stride, row_bytes(w.type, c0), s.row_stride, owned_weights_.back().get());
+  s.data = owned_weights_.back().get();
   return s;
 }
 
@@ -105,10 +130,14 @@ ExpertWeight LlamaModel::slice_cols(const ExpertWeight& w, int64_t c0, int64_t c
   const size_t skip = row_bytes(w.first.type, c0);
   owned_weights_.emplace_back(new uint8_t[s.expert_stride * size_t(w.n_expert)]);
   uint8_t* dst = owned_weights_.back().get();
-  for (int64_t e = 0; e < w.n_expert; ++e)
-    for (int64_t r = 0; r < w.first.rows; ++r)
-      read_at(w.first.data + size_t(e) * w.expert_stride + size_t(r) * w.first.row_stride + skip,
-              dst + size_t(e) * s.expert_stride + size_t(r) * s.first.row_stride, s.first.row_stride);
+  const size_t packed = w.first.row_stride * size_t(w.first.rows);
+  if (w.expert_stride == packed) {  // the experts' rows follow each other: one run of rows
+    read_cols(w.first.data, w.first.rows * w.n_expert, w.first.row_stride, skip, s.first.row_stride, dst);
+  } else {
+    for (int64_t e = 0; e < w.n_expert; ++e)
+      read_cols(w.first.data + size_t(e) * w.expert_stride, w.first.rows, w.first.row_stride, skip,
+                s.first.row_stride, dst + size_t(e) * s.expert_stride);
+  }
   s.first.data = dst;
   return s;
 }
