@@ -57,7 +57,8 @@ def test_resident_memory_matches_the_plan(which, smollm2_path):
     # few MiB are already 5%: it gets 4 MiB of absolute slack.
     slack = 0.05 * planned if which != "deepseek2" else max(0.05 * planned, 4 << 20)
     assert abs(r["grew"] - planned) <= slack, (which, r["grew"], planned, p)
-    assert p["fits"] and p["weights"] > 0 and p["kv"] == p["kv_bytes_per_token"] * p["kv_tokens"]
+    assert p["fits"] and p["weights"] > 0 and p["index_bytes_per_block"] > 0  # the prefix cache is on
+    assert p["kv"] == p["kv_bytes_per_token"] * p["kv_tokens"] + p["index_bytes_per_block"] * (p["kv_tokens"] // 16)
 
 
 def test_over_budget_is_refused_before_allocation(smollm2_path):
@@ -92,7 +93,9 @@ def test_tp2_plan_needs_no_peer_and_splits_the_weights():
     # in the file, read by row; the latent projections are replicated)
     for r in (r0, r1):
         assert 0.3 * one["weights"] < r["weights"] < 0.75 * one["weights"], (r["weights"], one["weights"])
-        assert r["comm"] > 0 and r["kv"] == one["kv"]  # MLA: the latent cache on both ranks
+        assert r["comm"] > 0 and r["kv_bytes_per_token"] == one["kv_bytes_per_token"]  # MLA: the latent cache on both
+    # rank 0 keeps the prefix cache's index, the follower (which mirrors rank 0's tables) none
+    assert r0["kv"] == one["kv"] and r0["index_bytes_per_block"] > 0 and r1["index_bytes_per_block"] == 0
     assert one["comm"] == 0
     with pytest.raises(_core.UnsupportedError, match="cannot split the KV heads"):  # refused at plan time
         _core.plan_memory(MOE, tp=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -75,6 +76,48 @@ def test_worker_wait_limit_and_transport_choice():
 
     assert resolve_transport("auto") in ("tcp", "ibverbs")  # ibverbs only with an RDMA device
 
+
+
+def _rank0_cli(port: int, delay: float = 0.0) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.pop("TENSORFOLD_TEST_LOAD_DELAY_S", None)
+    if delay:
+        env["TENSORFOLD_TEST_LOAD_DELAY_S"] = str(delay)
+    return subprocess.Popen([sys.executable, "-m", "tensorfold.cli", "generate", MODEL, "--tp", "2", "--peer",
+                             f"127.0.0.1:{port}", "-t", "1", "-c", "256", "--tp-timeout", str(TIMEOUT), "-p", "hi",
+                             "-n", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.parametrize("stopped", ["worker", "rank0"])
+def test_ctrl_c_at_the_load_barrier_stops_both_sides(stopped):
+    # The rank that has loaded waits at the barrier for the other (here 30 s slower). Ctrl-C
+    # there ends it at once (exit 130, no traceback), and the other rank stops loading and
+    # says why, long before its own load would have finished.
+    slow = 30.0
+    port = free_port()
+    worker = _worker(port, slow if stopped == "rank0" else 0.0)
+    rank0 = _rank0_cli(port, slow if stopped == "worker" else 0.0)
+    procs = {"worker": worker, "rank0": rank0}
+    try:
+        time.sleep(4.0)  # both connected; the fast rank has loaded and waits at the barrier
+        assert worker.poll() is None and rank0.poll() is None
+        target, other = procs[stopped], procs["rank0" if stopped == "worker" else "worker"]
+        t = time.monotonic()
+        target.send_signal(signal.SIGINT)
+        _, err = target.communicate(timeout=10)
+        assert time.monotonic() - t < 2.0
+        assert target.returncode == 130, err
+        assert "Traceback" not in err
+        t = time.monotonic()
+        _, err_other = other.communicate(timeout=slow)
+        assert time.monotonic() - t < 10.0  # it gave up its load, not waited for it
+        assert other.returncode not in (0, 130) and "tensorfold: error:" in err_other, err_other
+        assert "Traceback" not in err_other and "peer" in err_other, err_other
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 # -- the page cache of TP slices ----------------------------------------------------------
 def _resident_pages(path: str) -> np.ndarray:

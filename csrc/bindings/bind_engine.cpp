@@ -43,6 +43,7 @@ py::dict memory_plan_dict(const MemoryPlan& p) {
   d["kv_bytes_per_token"] = p.kv_bytes_per_token;
   d["weights"] = p.weights;
   d["kv"] = p.kv;
+  d["index_bytes_per_block"] = p.index_bytes_per_block;
   d["scratch"] = p.scratch;
   d["comm"] = p.comm;
   d["margin"] = p.margin;

@@ -185,7 +185,7 @@ class Engine {
   void check_sizes(const EngineOptions& opts, int64_t n_blocks) const;
   // TP=2: loads this rank's slices while a heartbeat exchange with the peer runs, then returns
   // once both ranks have loaded (a barrier with its own deadline, load_timeout_s).
-  void load_with_heartbeat(const TpShard& shard);
+  void load_with_heartbeat(TpShard shard);
   // Rank 0: runs one forward on every rank (plan broadcast first under TP).
   void run_forward(const std::vector<BatchToken>& batch, float* logits);
   void send_command(int64_t cmd, const std::vector<int32_t>& payload);
@@ -194,6 +194,9 @@ class Engine {
   void preempt(Sequence& s);
 
   std::shared_ptr<GgufFile> file_;
+  // Set by the load heartbeat when the peer is gone: this rank's load stops (declared before
+  // model_, which points at it, so it outlives the model).
+  std::atomic<bool> load_abandoned_{false};
   std::unique_ptr<LlamaModel> model_;
   std::unique_ptr<PagedKvCache> kv_;
   std::unique_ptr<ThreadPool> pool_;

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/interrupt.h"
 
 namespace tf {
 
@@ -214,13 +215,13 @@ comm::GroupStats Engine::comm_stats() const {
   return group_ ? group_->stats() : comm::GroupStats{};
 }
 
-void Engine::load_with_heartbeat(const TpShard& shard) {
+void Engine::load_with_heartbeat(TpShard shard) {
   // Two ranks rarely finish loading together (100 GB from different disks), and a collective
   // waits only timeout_s for its peer. So while this rank reads its slices, a thread exchanges
   // a tiny All-Reduce with the peer about twice a second: "I am alive, loaded or not". It ends
   // when both report loaded — the barrier — or fails when the peer goes silent for timeout_s
   // (a lost peer) or the pair has not loaded within load_timeout_s.
-  std::atomic<bool> loaded{false}, failed{false};
+  std::atomic<bool> loaded{false}, failed{false}, hb_done{false};
   std::exception_ptr hb_error;
   const auto t0 = std::chrono::steady_clock::now();
   std::thread hb([&] {
@@ -229,8 +230,9 @@ void Engine::load_with_heartbeat(const TpShard& shard) {
         float state = failed ? -1.f : loaded ? 1.f : 0.f;
         group_->all_reduce(&state, 1, comm::DType::F32);
         if (state < 0 || failed)  // either side failed to load: stop (that side reports why)
-          fail(ErrorKind::Runtime, "the TP peer failed while loading the model");
-        if (state >= 2.f) return;  // both loaded
+          fail(ErrorKind::Runtime, "the TP peer stopped while loading the model (it failed or was "
+               "interrupted; its own output says why)");
+        if (state >= 2.f) break;  // both loaded
         const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (waited > tp_.load_timeout_s)
           fail(ErrorKind::Runtime, "the TP pair has not finished loading within ", tp_.load_timeout_s,
@@ -239,18 +241,33 @@ void Engine::load_with_heartbeat(const TpShard& shard) {
       }
     } catch (...) {
       hb_error = std::current_exception();
+      load_abandoned_ = true;
     }
+    hb_done = true;
   });
+  shard.abandon = &load_abandoned_;
   try {
-    if (const char* d = std::getenv("TENSORFOLD_TEST_LOAD_DELAY_S"))  // tests: a slow disk
-      std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(d)));
+    if (const char* d = std::getenv("TENSORFOLD_TEST_LOAD_DELAY_S")) {  // tests: a slow disk (Ctrl-C ends it)
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(std::atof(d));
+      while (std::chrono::steady_clock::now() < until && !load_abandoned_) {
+        check_interrupt();
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
     model_ = std::make_unique<LlamaModel>(file_, shard);
+    loaded = true;
+    // The barrier: wait for the peer's "loaded" (however long, up to load_timeout) but not
+    // past a Ctrl-C.
+    while (!hb_done) {
+      check_interrupt();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   } catch (...) {
-    failed = true;
+    failed = true;  // the heartbeat tells the peer at its next exchange, or the closed link does
     hb.join();
+    if (hb_error && !interrupt_requested()) std::rethrow_exception(hb_error);  // why the load stopped
     throw;
   }
-  loaded = true;
   hb.join();
   if (hb_error) std::rethrow_exception(hb_error);
 }

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "engine/engine.h"
+#include "kv/prefix_cache.h"
 #include "model/llama_model.h"
 
 namespace tf {
@@ -83,7 +84,9 @@ MemoryPlan plan_memory(LlamaModel& model, const EngineGeometry& g, const EngineO
   p.max_batch_tokens = g.max_batch_tokens;
   p.kv_bytes_per_token = PagedKvCache::bytes_per_token(c.n_layer, model.kv_layout(), opts.kv_type);
   p.weights = model.weight_bytes();
-  p.kv = p.kv_bytes_per_token * uint64_t(g.kv_tokens);
+  // The prefix cache's index (rank 0 only: a follower caches nothing) grows with the pool.
+  if (opts.prefix_cache && opts.tp.rank == 0) p.index_bytes_per_block = PrefixCache::bytes_per_block(kKvBlockSize);
+  p.kv = p.kv_bytes_per_token * uint64_t(g.kv_tokens) + p.index_bytes_per_block * uint64_t(g.kv_tokens / kKvBlockSize);
   const uint64_t logits = uint64_t(kMaxLogitRows) * uint64_t(c.n_vocab) * sizeof(float);
   p.scratch = model.reserve(g.max_batch_tokens, g.context, 1, /*count_only=*/true) + logits;
   if (p.tp_size > 1)  // send/receive buffers of the All-Reduce (per rail) and the logits broadcast
@@ -101,7 +104,8 @@ MemoryPlan plan_memory(LlamaModel& model, const EngineGeometry& g, const EngineO
   if (p.budget > 0) {
     const uint64_t fixed = p.weights + p.scratch + p.comm + p.margin;
     if (p.budget > fixed && p.kv_bytes_per_token > 0) {
-      const int64_t tokens = int64_t((p.budget - fixed) / p.kv_bytes_per_token) / kKvBlockSize * kKvBlockSize;
+      const uint64_t per_block = p.kv_bytes_per_token * kKvBlockSize + p.index_bytes_per_block;
+      const int64_t tokens = int64_t((p.budget - fixed) / per_block) * kKvBlockSize;
       p.max_kv_tokens = tokens >= g.context ? tokens : 0;
     }
   }
@@ -127,7 +131,8 @@ std::string MemoryPlan::table() const {
   os << "memory plan (TP rank " << tp_rank << " of " << tp_size << "):\n";
   row("weights (this rank)", weights, tp_size > 1 ? "this rank's slices" : "the mapped file, pre-faulted");
   row("KV cache pool", kv,
-      std::to_string(kv_tokens) + " tokens x " + std::to_string(kv_bytes_per_token) + " bytes");
+      std::to_string(kv_tokens) + " tokens x " + std::to_string(kv_bytes_per_token) + " bytes" +
+          (index_bytes_per_block ? " + prefix-cache index" : ""));
   row("scratch + logits", scratch, std::to_string(max_batch_tokens) + " tokens per step");
   row("comm buffers", comm, tp_size > 1 ? "All-Reduce and logits" : "none (TP=1)");
   row("safety margin", margin, "allocator, stacks, runtime");

@@ -27,7 +27,8 @@ struct MemoryPlan {
   int max_batch_tokens = 0;
   uint64_t kv_bytes_per_token = 0;
   uint64_t weights = 0;  // resident on this rank
-  uint64_t kv = 0;       // KV pool
+  uint64_t kv = 0;       // KV pool, with the prefix cache's index of its blocks
+  uint64_t index_bytes_per_block = 0;  // that index, per block (0: no prefix cache)
   uint64_t scratch = 0;  // activations of one step, logits
   uint64_t comm = 0;     // TP transport buffers
   uint64_t margin = 0;   // safety: allocator slack, thread stacks, the runtime around the engine

@@ -26,6 +26,13 @@ PrefixCache::PrefixCache(int block_size, int64_t n_blocks, uint64_t seed)
   index_.reserve(size_t(std::min<int64_t>(n_blocks, int64_t(1) << 20)));
 }
 
+uint64_t PrefixCache::bytes_per_block(int block_size) {
+  // A map node is a next pointer and the (key, block) pair, plus the allocator's header;
+  // then one bucket pointer per block (the map is reserved for all of them).
+  constexpr uint64_t kMapNode = sizeof(void*) + sizeof(std::pair<const uint64_t, int32_t>) + 16;
+  return sizeof(Entry) + uint64_t(block_size) * sizeof(int32_t) + kMapNode + sizeof(void*);
+}
+
 uint64_t PrefixCache::chain(uint64_t parent_key, const int32_t* tokens) const {
   // Two tokens per 64-bit word, each word mixed into the running state.
   uint64_t h = mix(parent_key ^ seed_);

@@ -23,6 +23,9 @@ namespace tf {
 class PrefixCache {
  public:
   PrefixCache(int block_size, int64_t n_blocks, uint64_t seed);
+  // Host memory the index of n_blocks blocks takes (for the memory plan): the entries, the
+  // token rows and the hash map's nodes and buckets.
+  static uint64_t bytes_per_block(int block_size);
 
   int block_size() const { return block_size_; }
   // Key of the first block's parent (the empty prefix).

@@ -27,6 +27,7 @@
 // one parallel section.
 #pragma once
 #include <cstdint>
+#include <atomic>
 #include <memory>
 #include <vector>
 
@@ -95,6 +96,9 @@ struct TpShard {
   // Only plan: this rank's geometry and bytes are computed (weight_bytes, scratch_bytes) but
   // no slice is read or allocated and no group is needed; such a model cannot run forward.
   bool plan_only = false;
+  // Set (by another thread) when the load is pointless, the peer being gone: reading the
+  // slices stops at the next window instead of finishing a load nobody will use.
+  const std::atomic<bool>* abandon = nullptr;
 };
 
 class LlamaModel {

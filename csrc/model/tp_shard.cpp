@@ -42,6 +42,7 @@ void LlamaModel::read_at(const uint8_t* src, void* dst, size_t n, bool drop_cach
   auto* p = static_cast<uint8_t*>(dst);
   while (n > 0) {
     check_interrupt();  // TP loads read gigabytes: Ctrl-C must not wait for all of them
+    if (tp_.abandon && tp_.abandon->load()) fail(ErrorKind::Runtime, "loading abandoned: the TP peer is gone");
     const ssize_t r = ::pread(part->fd, p, std::min(n, kReadWindow), off_t(offset));
     if (r <= 0) fail(ErrorKind::Runtime, part->shown, ": read failed while loading a TP slice");
     // The private copy is what stays resident; the file's pages go as soon as they are copied.
