@@ -330,6 +330,10 @@ void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, cons
     case 2: return matmul_k_narrow<T, 2>(nb, w, ws, r0, r1, xq, xs, y, ldy);
     case 3: return matmul_k_narrow<T, 3>(nb, w, ws, r0, r1, xq, xs, y, ldy);
     case 4: return matmul_k_narrow<T, 4>(nb, w, ws, r0, r1, xq, xs, y, ldy);
+    case 5: return matmul_k_narrow<T, 5>(nb, w, ws, r0, r1, xq, xs, y, ldy);
+    case 6: return matmul_k_narrow<T, 6>(nb, w, ws, r0, r1, xq, xs, y, ldy);
+    case 7: return matmul_k_narrow<T, 7>(nb, w, ws, r0, r1, xq, xs, y, ldy);
+    case 8: return matmul_k_narrow<T, 8>(nb, w, ws, r0, r1, xq, xs, y, ldy);
     default: break;
   }
   // Wider (prefill): eight rows interleaved (tile8_avx2.h); rows left over by the groups of
