@@ -14,7 +14,10 @@ exactly --n-gen tokens. Per stream the first and last streamed chunk are timed:
 
 - TTFT: request sent → first chunk (includes waiting for the batch's prefill);
 - stream decode rate: (tokens − 1) / (last chunk − first chunk);
-- aggregate decode: the sum of the N stream rates (the N streams decode together);
+- aggregate decode: tokens streamed by all N streams while all N were decoding (from the
+  last stream's first chunk to the first stream's last chunk) / that window, so that
+  prefills of late streams do not count as decode time; a chunk normally carries one token
+  (where a server merged some, the stream's tokens/chunks ratio is applied);
 - end-to-end: all tokens / (first request sent → last stream done).
 
 The median over --reps is reported, with TensorFold / llama-server ratios and each server's
@@ -86,7 +89,7 @@ class Server:
 async def one_stream(client, url: str, model: str, text: str, n_gen: int, t_start: float) -> dict:
     body = {"model": model, "prompt": text, "max_tokens": n_gen, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    first = last = None
+    times = []
     tokens = None
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
@@ -102,13 +105,12 @@ async def one_stream(client, url: str, model: str, text: str, n_gen: int, t_star
                 tokens = ev["usage"].get("completion_tokens", tokens)
             ch = ev.get("choices") or []
             if ch and ch[0].get("text"):
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
-    if first is None:
+                times.append(time.perf_counter())
+    if not times:
         raise RuntimeError(f"{url}: the stream carried no text")
     tokens = tokens or n_gen
-    return {"ttft_s": first - t_start, "tokens": tokens, "decode_s": last - first, "end": last}
+    return {"ttft_s": times[0] - t_start, "tokens": tokens, "decode_s": times[-1] - times[0], "end": times[-1],
+            "times": times}
 
 
 async def burst(port: int, model: str, n: int, n_gen: int, prompt_words: int, tag: str) -> dict:
@@ -119,7 +121,14 @@ async def burst(port: int, model: str, n: int, n_gen: int, prompt_words: int, ta
         res = await asyncio.gather(*(one_stream(client, url, model, prompt(f"{tag}-{i}", prompt_words), n_gen, t0)
                                      for i in range(n)))
     rates = [(r["tokens"] - 1) / r["decode_s"] for r in res if r["decode_s"] > 0]
-    return {"aggregate_decode_tps": sum(rates), "stream_decode_tps": statistics.mean(rates),
+    w0, w1 = max(r["times"][0] for r in res), min(r["times"][-1] for r in res)
+    if w1 > w0:
+        in_window = sum(sum(w0 <= t <= w1 for t in r["times"]) * r["tokens"] / len(r["times"]) for r in res)
+        aggregate = in_window / (w1 - w0)
+    else:  # the streams never all decoded at once
+        aggregate = sum(rates)
+    return {"aggregate_decode_tps": aggregate, "stream_decode_tps": statistics.mean(rates),
+            "chunks_per_token": statistics.mean(len(r["times"]) / r["tokens"] for r in res),
             "ttft_mean_s": statistics.mean(r["ttft_s"] for r in res), "ttft_max_s": max(r["ttft_s"] for r in res),
             "e2e_tps": sum(r["tokens"] for r in res) / (max(r["end"] for r in res) - t0),
             "tokens": [r["tokens"] for r in res]}
@@ -137,7 +146,8 @@ def run_server(srv: Server, model: str, a, label: str) -> dict:
             out[n] = med
             print(f"  {srv.name:14s} streams={n}: aggregate decode {med['aggregate_decode_tps']:7.1f} tok/s, "
                   f"per stream {med['stream_decode_tps']:6.1f}, TTFT mean {med['ttft_mean_s'] * 1e3:7.1f} ms "
-                  f"max {med['ttft_max_s'] * 1e3:7.1f} ms, end-to-end {med['e2e_tps']:7.1f} tok/s", flush=True)
+                  f"max {med['ttft_max_s'] * 1e3:7.1f} ms, end-to-end {med['e2e_tps']:7.1f} tok/s, "
+                  f"chunks/token {med['chunks_per_token']:.2f}", flush=True)
     return out
 
 

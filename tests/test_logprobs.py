@@ -93,3 +93,23 @@ def test_out_of_range_top_logprobs_is_refused(engine, bad):
     with pytest.raises(ValueError, match=r"top_logprobs must be -1 \(off\), 0 .* or 1\.\.20, got " + str(bad)):
         engine._core.add_request([1, 2, 3], max_tokens=2, top_logprobs=bad)
     assert not engine._core.has_unfinished()
+
+
+def test_python_generate_returns_logprobs_of_its_tokens(engine):
+    # Engine.generate(logprobs=k): one entry per generated token, the token's log-softmax and
+    # the k most likely, checked against numpy on the logits of the same prefix; the sampled
+    # (seeded) tokens come out the same with and without logprobs.
+    prompt = engine.tokenize("Once upon a time")
+    plain = engine.generate(prompt, max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
+    got = engine.generate(prompt, max_tokens=6, temperature=0.9, seed=7, ignore_eos=True, logprobs=3)
+    assert plain.logprobs is None and got.token_ids == plain.token_ids
+    assert [lp.token for lp in got.logprobs] == got.token_ids
+    for i, lp in enumerate(got.logprobs):
+        ref = log_softmax(engine.logits(prompt + got.token_ids[:i])[-1])
+        assert abs(lp.logprob - ref[lp.token]) < TOL
+        assert [t for t, _ in lp.top] == list(np.argsort(-ref, kind="stable")[:3])
+        assert all(abs(v - ref[t]) < TOL for t, v in lp.top)
+    assert engine.generate(prompt, max_tokens=2, temperature=0, logprobs=0).logprobs[0].top == []
+    for bad in (-1, 21, 1.5, "3"):
+        with pytest.raises(ValueError, match="logprobs"):
+            engine.generate(prompt, max_tokens=2, logprobs=bad)

@@ -10,7 +10,7 @@ if _os.environ.get("TENSORFOLD_CORE_DIR"):
     __path__.insert(0, _os.environ["TENSORFOLD_CORE_DIR"])  # type: ignore[name-defined]
 
 from . import _core  # noqa: E402
-from .engine import Completion, Engine  # noqa: E402
+from .engine import Completion, Engine, TokenLogprob  # noqa: E402
 from .pull import pull  # noqa: E402
 
-__all__ = ["Engine", "Completion", "pull", "__version__"]
+__all__ = ["Engine", "Completion", "TokenLogprob", "pull", "__version__"]

@@ -23,11 +23,29 @@ _INT32_MAX = 2**31 - 1
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of the raw logits,
+    before temperature and filters) and the `top` most likely tokens at that position."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # most likely first
+
+    @classmethod
+    def from_native(cls, token: int, lp: tuple) -> "TokenLogprob":
+        """From the native step's (logprob, [(token, logprob), ...])."""
+        return cls(token, float(lp[0]), [(int(t), float(v)) for t, v in lp[1]])
+
+
+@dataclass
 class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str
     usage: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+
+
+MAX_TOP_LOGPROBS = 20
 
 
 def resolve_model(model: str) -> str:
@@ -125,6 +143,7 @@ class _Request:
     rid: int | None = None  # native id; None while not submitted, parked or finished
     events: collections.deque = field(default_factory=collections.deque)
     generated: list[int] = field(default_factory=list)
+    top_logprobs: int = -1  # -1: no logprobs; k >= 0: the token's and the k most likely
     park_at: int = 4  # unread events that get an idle stream parked (doubles each time)
     waiting: bool = False  # its reader is inside next() (stepping or waiting for the lock)
     done: bool = False  # finished, aborted or released
@@ -430,16 +449,16 @@ class Engine:
                 raise TypeError(f"stop strings must be str, got {s!r}")
         return [s for s in stops if s]
 
-    def _run(self, req: _Request, stops: list[str]) -> Iterator[tuple[str, int | None, str | None]]:
-        """Yields (text_piece, token_id, finish_reason) as tokens arrive; the last item has
-        the finish reason. Stop strings are matched on the text and never emitted."""
+    def _run(self, req: _Request, stops: list[str]) -> Iterator[tuple[str, int | None, str | None, tuple | None]]:
+        """Yields (text_piece, token_id, finish_reason, logprobs) as tokens arrive; the last
+        item has the finish reason. Stop strings are matched on the text and never emitted."""
         text = TextStream(self.tokenizer, stops)
         reason = None
         try:
             while reason is None:
-                token, finished, why = self._next_event(req)
+                token, finished, why, lp = self._next_event(req)
                 emit, reason = text.feed(token, finished, why)
-                yield emit, (token if token >= 0 else None), reason
+                yield emit, (token if token >= 0 else None), reason, lp
         finally:
             self._release(req)
 
@@ -477,9 +496,9 @@ class Engine:
                 r.rid = None
                 r.park_at = min(2 * r.park_at, 256)  # a slow reader is parked less and less often
 
-    def _next_event(self, req: _Request) -> tuple[int, bool, str]:
-        """Next (token, finished, reason) of `req`, stepping the engine as needed. Events of
-        other requests (interleaved streams) are queued for them."""
+    def _next_event(self, req: _Request) -> tuple[int, bool, str, tuple | None]:
+        """Next (token, finished, reason, logprobs) of `req`, stepping the engine as needed.
+        Events of other requests (interleaved streams) are queued for them."""
         if self._owner is not None:
             raise RuntimeError("this engine is driven by a tensorfold.scheduler.Scheduler (e.g. tensorfold "
                                "serve); submit requests through the scheduler, or close it first")
@@ -491,22 +510,23 @@ class Engine:
                     self._drain_aborts(core)
                     if req.rid is None:
                         if req.done:
-                            return (-1, True, "abort")
+                            return (-1, True, "abort", None)
                         # first read, or parked: (re)submit prompt + the tokens produced so far
+                        kw = {"top_logprobs": req.top_logprobs} if req.top_logprobs >= 0 else {}
                         rid = core.add_request(req.ids + req.generated, req.max_tokens - len(req.generated),
-                                               *req.sampling)
+                                               *req.sampling, **kw)
                         req.rid = rid
                         self._reqs[rid] = req
                     self._park_idle(core, req)
                     events = core.step()
                     if not events and not core.has_unfinished():
-                        return (-1, True, "abort")
+                        return (-1, True, "abort", None)
                     for ev in events:  # (id, token, finished, reason[, logprobs])
                         rid, tok, finished, why = ev[:4]
                         r = self._reqs.get(rid)
                         if r is None:
                             continue
-                        r.events.append((tok, finished, why))
+                        r.events.append((tok, finished, why, ev[4] if len(ev) > 4 else None))
                         if tok >= 0:
                             r.generated.append(tok)
                         if finished:
@@ -520,22 +540,30 @@ class Engine:
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                  max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
                  min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 ignore_eos: bool = False) -> Completion:
-        """Complete `prompt` (text, or token ids used verbatim). temperature=0 is greedy."""
+                 ignore_eos: bool = False, logprobs: int | None = None) -> Completion:
+        """Complete `prompt` (text, or token ids used verbatim). temperature=0 is greedy.
+        logprobs=k (0..20) also returns each generated token's log-probability and the k most
+        likely tokens at its position (Completion.logprobs)."""
         self._native()
+        if logprobs is not None:
+            logprobs = _int_in("logprobs", logprobs, 0, MAX_TOP_LOGPROBS, note=" (None = off)")
         ids = self._prompt_ids(prompt, messages)
         req = self._request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, seed=seed, ignore_eos=ignore_eos)
-        text, tokens, reason = [], [], "length"
-        for piece, token, why in self._run(req, self._stops(stop)):
+        req.top_logprobs = -1 if logprobs is None else logprobs
+        text, tokens, lps, reason = [], [], [], "length"
+        for piece, token, why, lp in self._run(req, self._stops(stop)):
             text.append(piece)
             if token is not None:
                 tokens.append(token)
+                if lp is not None:
+                    lps.append(TokenLogprob.from_native(token, lp))
             if why:
                 reason = why
         return Completion(text="".join(text), token_ids=tokens, finish_reason=reason,
                           usage={"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                                 "total_tokens": len(ids) + len(tokens)})
+                                 "total_tokens": len(ids) + len(tokens)},
+                          logprobs=lps if logprobs is not None else None)
 
     def stream(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
@@ -550,7 +578,7 @@ class Engine:
         return self._pieces(req, self._stops(stop))
 
     def _pieces(self, req: _Request, stops: list[str]) -> Iterator[str]:
-        for piece, _, _ in self._run(req, stops):
+        for piece, _, _, _ in self._run(req, stops):
             if piece:
                 yield piece
 

@@ -27,12 +27,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from .engine import MAX_TOP_LOGPROBS, TokenLogprob
 from .tokenizer import TextStream
 
 log = logging.getLogger("tensorfold.scheduler")
-
-MAX_TOP_LOGPROBS = 20
-
 
 class QueueFull(RuntimeError):
     """The waiting queue is full; try again later."""
@@ -40,13 +38,6 @@ class QueueFull(RuntimeError):
 
 class SchedulerClosed(RuntimeError):
     """The scheduler is shut down (or shutting down)."""
-
-
-@dataclass
-class TokenLogprob:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # most likely first
 
 
 @dataclass
@@ -358,7 +349,7 @@ class Scheduler:
             lp = ev[4] if len(ev) > 4 else None
             if req.top_logprobs >= 0 and lp is not None \
                     and not (finished and why == "stop" and token in req.text._eog):
-                lps = [TokenLogprob(token, float(lp[0]), [(int(t), float(v)) for t, v in lp[1]])]
+                lps = [TokenLogprob.from_native(token, lp)]
         if finished and why == "abort" and not req.cancelled:
             self._running.pop(rid, None)
             req.rid = None
