@@ -57,6 +57,16 @@ def test_ranks_loading_far_apart_start_and_serve(slow, monkeypatch):
     assert time.monotonic() - t0 >= delay
 
 
+@pytest.mark.slow
+def test_ranks_loading_60s_apart_start_and_serve():
+    # The bar, literally: the worker finishes loading 60 s after rank 0.
+    port = free_port()
+    worker = _worker(port, 60.0)
+    t0 = time.monotonic()
+    _serve_and_check(port, worker)
+    assert time.monotonic() - t0 >= 60.0
+
+
 def test_worker_waits_for_a_late_rank0():
     port = free_port()
     worker = _worker(port)

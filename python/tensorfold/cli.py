@@ -1,4 +1,4 @@
-"""The `tensorfold` command line: chat, generate, serve, worker, info, plan, pull, convert."""
+"""The `tensorfold` command line: chat, generate, serve, worker, info, plan, eval, pull, convert."""
 from __future__ import annotations
 
 import argparse
@@ -320,6 +320,25 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(a: argparse.Namespace) -> int:
+    from .engine import Engine
+    from .evaluate import evaluate
+
+    try:
+        with open(a.text, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read --text {a.text}: {e.strerror}") from None
+    model = Engine(a.model, threads=a.threads, context=a.ctx, kv_tokens=a.ctx, prefix_cache=False)
+    ref = Engine(a.ref, threads=a.threads, context=a.ctx, kv_tokens=a.ctx, prefix_cache=False) if a.ref else None
+    res = evaluate(model, text, ref=ref, ctx=a.ctx, max_chunks=a.chunks, progress=not a.quiet)
+    print(res.table())
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            f.write(res.to_json() + "\n")
+    return 0
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     from . import _core
     from .engine import parse_memory_budget, resolve_model
@@ -476,6 +495,27 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", help="GGUF path or known model name")
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.set_defaults(func=cmd_info)
+
+    ev = sub.add_parser("eval", help="perplexity, and KL divergence against a reference model, on a text",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description=_fill("Measures MODEL on the text of --text: perplexity, and with --ref (the "
+                                          "model it was quantized from, same vocabulary) the KL divergence of its "
+                                          "next-token distributions from the reference's (mean, median, p99, max) "
+                                          "and how often both put the same token first. The text is cut into "
+                                          "chunks of --ctx tokens, each begun with BOS; the second half of each "
+                                          "chunk is scored, as llama.cpp's llama-perplexity does."),
+                        epilog="example:\n  tensorfold eval model-Q3_K.gguf --ref model-F16.gguf --text wiki.test.raw "
+                               "--json q3k.json")
+    ev.add_argument("model", help="GGUF path or known model name")
+    ev.add_argument("--ref", default=None, help="reference GGUF (e.g. the F16 the model was quantized from)")
+    ev.add_argument("--text", required=True, help="UTF-8 text file to evaluate on (keep it apart from "
+                                                  "any calibration text)")
+    ev.add_argument("--ctx", type=_int_in(4, 8192), default=512, help="tokens per chunk (default 512)")
+    ev.add_argument("--chunks", type=_int_in(1), default=None, help="evaluate at most this many chunks")
+    ev.add_argument("-t", "--threads", type=_int_in(1), default=None, help="worker threads (default: all CPUs)")
+    ev.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    ev.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ev.set_defaults(func=cmd_eval)
 
     pn = sub.add_parser("plan", help="the memory plan of a model on this machine (nothing is loaded)",
                         description="Prints what an engine with these options would keep resident on each "
