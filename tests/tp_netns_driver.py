@@ -32,7 +32,7 @@ def main() -> None:
             t0 = time.monotonic()
             req = eng._request(ids, max_tokens=32, temperature=0.0, top_k=40, top_p=1.0, min_p=0.0,
                                seed=0, ignore_eos=True)
-            for _, tok, _ in eng._run(req, []):
+            for _, tok, _, _ in eng._run(req, []):
                 if tok is None:
                     continue
                 toks.append(tok)
