@@ -21,11 +21,11 @@ TIMEOUT = 4.0  # seconds a collective waits for its peer
 IDS = [5, 17, 3, 250, 9, 33, 101, 7]
 
 
-def _worker(port: int, delay: float = 0.0, *extra: str) -> subprocess.Popen:
+def _worker(port: int, delay: float = 0.0, *extra: str, model: str = MODEL) -> subprocess.Popen:
     env = dict(os.environ)
     if delay:
         env["TENSORFOLD_TEST_LOAD_DELAY_S"] = str(delay)
-    return subprocess.Popen([sys.executable, "-m", "tensorfold.cli", "worker", MODEL, "--listen",
+    return subprocess.Popen([sys.executable, "-m", "tensorfold.cli", "worker", model, "--listen",
                              f"127.0.0.1:{port}", "-t", "1", "-c", "256", "--tp-timeout", str(TIMEOUT), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -185,7 +185,7 @@ def test_tp_slices_leave_no_page_cache(smollm2_path, tmp_path):
     assert {"attn_output", "ffn_down"} <= set(ranges)  # the column-sliced roles
 
     port = free_port()
-    worker = _worker_for(model, port)
+    worker = _worker(port, model=model)
     eng = tensorfold.Engine(model, threads=1, context=256, tp=2, rank=0, peer=f"127.0.0.1:{port}", timeout=10)
     try:
         assert len(eng.generate(IDS, max_tokens=4, temperature=0, ignore_eos=True).token_ids) == 4
@@ -199,8 +199,3 @@ def test_tp_slices_leave_no_page_cache(smollm2_path, tmp_path):
         assert pages.size > 0
         assert pages.mean() <= 0.01, f"{role}: {pages.sum()} of {pages.size} pages of the file still cached"
 
-
-def _worker_for(model: str, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tensorfold.cli", "worker", model, "--listen",
-                             f"127.0.0.1:{port}", "-t", "1", "-c", "256", "--tp-timeout", "10"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
