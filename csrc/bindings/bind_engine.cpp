@@ -30,9 +30,7 @@ KvType kv_type_of(const std::string& kv_type) {
   if (kv_type == "f32") return KvType::F32;
   throw py::value_error("kv_type must be 'f16' or 'f32', got '" + kv_type + "'");
 }
-}  // namespace
 
-namespace {
 py::dict memory_plan_dict(const MemoryPlan& p) {
   py::dict d;
   d["tp_size"] = p.tp_size;

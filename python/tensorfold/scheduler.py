@@ -365,12 +365,14 @@ class Scheduler:
                                  finish_reason=reason))
 
     def _fail_running(self, core, err: BaseException) -> None:
+        """Ends every running request with `err` (aborted in the engine when there is one)."""
         running, self._running = self._running, {}
         for rid, req in running.items():
-            try:
-                core.abort(rid)
-            except Exception:
-                pass
+            if core is not None:
+                try:
+                    core.abort(rid)
+                except Exception:
+                    pass
             req.rid = None
             self._deliver(req, Delta(error=err))
 
@@ -384,16 +386,7 @@ class Scheduler:
         for req in waiting:
             self._deliver(req, Delta(error=closed))
         try:
-            core = self.engine._core
-            for rid, req in list(self._running.items()):
-                if core is not None:
-                    try:
-                        core.abort(rid)
-                    except Exception:
-                        pass
-                req.rid = None
-                self._deliver(req, Delta(error=closed))
-            self._running.clear()
+            self._fail_running(self.engine._core, closed)
         finally:
             self._n_running = 0
             self.engine._owner = None

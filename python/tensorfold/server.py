@@ -827,12 +827,16 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
         return _json(dict(head, object="chat.completion" if chat else "text_completion", choices=[choice],
                           usage=usage(req.n_generated)))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def parsed(request: Request, chat: bool) -> tuple[dict, dict]:
+        """The request's body and its common parameters, once the model is ready for it."""
         body = await read_body(request)
         state.ready_scheduler()
         check_model(body)
-        p = _parse_common(body, chat=True)
+        return body, _parse_common(body, chat=chat)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body, p = await parsed(request, chat=True)
         messages = _parse_messages(body.get("messages"))
         eng = state.engine
         try:
@@ -843,10 +847,7 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request)
-        state.ready_scheduler()
-        check_model(body)
-        p = _parse_common(body, chat=False)
+        body, p = await parsed(request, chat=False)
         prompt = _parse_prompt(body.get("prompt"))
         eng = state.engine
         try:
