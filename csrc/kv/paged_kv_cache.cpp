@@ -1,12 +1,12 @@
-#include <cstring>
 #include "kv/paged_kv_cache.h"
 
 #include <cstddef>
+#include <cstring>
 #include <iomanip>
 #include <limits>
+#include <new>
 #include <sstream>
 #include <string>
-#include <new>
 
 #include "core/error.h"
 
