@@ -22,13 +22,6 @@ namespace py = pybind11;
 
 namespace tf {
 
-namespace {
-
-struct PoolSlot {
-  std::mutex mu;  // one call at a time per pool
-  std::unique_ptr<ThreadPool> pool;
-};
-
 PoolSlot& pool_for(int threads) {
   static std::mutex mu;
   static std::map<int, std::unique_ptr<PoolSlot>> pools;
@@ -40,6 +33,8 @@ PoolSlot& pool_for(int threads) {
   }
   return *slot;
 }
+
+namespace {
 
 CpuIsa parse_impl(const std::string& impl) {
   CpuIsa isa;

@@ -4,10 +4,12 @@
 #include <pybind11/pybind11.h>
 
 #include <cstring>
+#include <mutex>
 #include <string>
 
 #include "bindings/bindings.h"
 #include "core/error.h"
+#include "quant/quantize_rows.h"
 #include "quant/traits.h"
 
 namespace py = pybind11;
@@ -122,6 +124,45 @@ void bind_quant(py::module_& m) {
       py::arg("type_id"), py::arg("x"),
       "Scalar reference quantization of a 1-D float32 array to ggml type type_id -> uint8 "
       "[row_bytes(type, len(x))].");
+  m.def(
+      "quantize_rows",
+      [](uint32_t type_id, const py::array& x_obj, const py::object& importance, int threads) {
+        const TypeTraits* t = find_type_traits(type_id);
+        TF_CHECK(t != nullptr, "quantize_rows: unknown ggml type id ", type_id);
+        TF_CHECK(x_obj.ndim() == 2, "quantize_rows ", t->name, ": x must be 2-D [rows, cols], got ",
+                 x_obj.ndim(), " dimensions");
+        TF_CHECK(x_obj.dtype().equal(py::dtype::of<float>()), "quantize_rows ", t->name,
+                 ": x must be float32, got ", std::string(py::str(x_obj.dtype())));
+        TF_CHECK(threads >= 1 && threads <= 256, "threads must be in [1, 256], got ", threads);
+        auto x = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(x_obj);
+        const int64_t rows = x.shape(0), cols = x.shape(1);
+        py::array_t<float, py::array::c_style | py::array::forcecast> imp;
+        const float* imp_ptr = nullptr;
+        if (!importance.is_none()) {
+          imp = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(importance);
+          TF_CHECK(bool(imp) && imp.ndim() == 1 && imp.shape(0) == cols, "quantize_rows ", t->name,
+                   ": importance must be a 1-D float array of ", cols, " values (one per column)");
+          imp_ptr = imp.data();
+        }
+        const size_t rb = row_bytes(static_cast<GgmlType>(type_id), cols);
+        py::array_t<uint8_t> out({static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(rb)});
+        uint8_t* dst = out.mutable_data();
+        const float* src = x.data();
+        {
+          py::gil_scoped_release nogil;
+          PoolSlot& slot = pool_for(threads);
+          std::lock_guard<std::mutex> lock(slot.mu);
+          quantize_rows(static_cast<GgmlType>(type_id), src, rows, cols, imp_ptr, dst, *slot.pool);
+        }
+        return out;
+      },
+      py::arg("type_id"), py::arg("x"), py::arg("importance") = py::none(), py::arg("threads") = 1,
+      "Importance-weighted quantization of a float32 matrix [rows, cols] to ggml type type_id, "
+      "minimising sum_j importance[j] * (x[r, j] - dequantized[r, j])^2 per row (importance: "
+      "[cols] non-negative, None = uniform) -> uint8 [rows, row_bytes(type, cols)].");
+
+  m.def("can_quantize", [](uint32_t type_id) { return can_quantize(static_cast<GgmlType>(type_id)); },
+        py::arg("type_id"), "Whether TensorFold can write weights of ggml type type_id.");
 }
 
 }  // namespace tf

@@ -1,7 +1,19 @@
 #pragma once
 #include <pybind11/pybind11.h>
 
+#include <memory>
+#include <mutex>
+
+#include "core/thread_pool.h"
+
 namespace tf {
+// A thread pool per thread count, shared by the kernel and quantizer bindings; one call at a
+// time per pool (hold mu while using it).
+struct PoolSlot {
+  std::mutex mu;
+  std::unique_ptr<ThreadPool> pool;
+};
+PoolSlot& pool_for(int threads);
 namespace comm {
 struct GroupStats;
 }

@@ -22,6 +22,9 @@ struct TypeTraits {
   void (*dequantize_ref)(const void* src, float* dst, int64_t n);
   // Scalar reference quantization (float -> format), nullptr where not implemented.
   void (*quantize_ref)(const float* src, void* dst, int64_t n);
+  // Importance-weighted quantization of one row (quant/quantizers/quantizers.h): minimises
+  // sum_i w[i] (x[i] - dequantized[i])^2; nullptr where the format cannot be written.
+  void (*quantize_weighted)(const float* x, const float* w, void* dst, int64_t n);
   cpu::CpuKernels cpu;     // cpu.scalar == nullptr: weights of this type cannot be computed with
   bool computable() const { return cpu.scalar != nullptr; }
 };
