@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 
@@ -23,6 +24,26 @@ std::string tp_token(const std::optional<std::string>& given) {
   if (given) return *given;
   const char* env = std::getenv("TENSORFOLD_TP_TOKEN");
   return env ? std::string(env) : std::string();
+}
+
+// {weight name: (sum2 [n_mat, in_dim] float64, counts [n_mat] int64)}; names of one
+// accumulator share one pair of arrays.
+py::dict activation_stats_dict(const ActivationStats& s) {
+  std::vector<py::object> by_id;
+  py::dict d;
+  for (const auto& [name, id] : s.names()) {
+    if (size_t(id) >= by_id.size()) by_id.resize(size_t(id) + 1);
+    if (!by_id[size_t(id)]) {
+      const ActivationStats::Accumulator& a = s.accumulator(id);
+      py::array_t<double> sum2({a.n_mat, a.in_dim});
+      std::copy(a.sum2.begin(), a.sum2.end(), sum2.mutable_data());
+      py::array_t<int64_t> counts(a.n_mat);
+      std::copy(a.counts.begin(), a.counts.end(), counts.mutable_data());
+      by_id[size_t(id)] = py::make_tuple(sum2, counts);
+    }
+    d[py::str(name)] = by_id[size_t(id)];
+  }
+  return d;
 }
 
 KvType kv_type_of(const std::string& kv_type) {
@@ -227,6 +248,39 @@ void bind_engine(py::module_& m) {
              return tr;
            },
            py::arg("ids"), "experts chosen by each MoE layer for each position: [n_layer][len * top_k]")
+      .def("observe",
+           [](Engine& e, const std::vector<int32_t>& ids) {
+             py::gil_scoped_release nogil;
+             InterruptScope ctrl_c;
+             e.logits(ids, nullptr);  // the forward only: no logits kept
+           },
+           py::arg("ids"), "run ids through the model as one fresh sequence, keeping no logits (calibration)")
+      .def("start_activation_stats", &Engine::start_activation_stats, py::call_guard<py::gil_scoped_release>(),
+           "calibration: from now on every forward adds the inputs of every weight matrix to a fresh "
+           "collector (TP=1 only)")
+      .def("stop_activation_stats",
+           [](Engine& e) {
+             ActivationStats s;
+             {
+               py::gil_scoped_release nogil;
+               s = e.stop_activation_stats();
+             }
+             return activation_stats_dict(s);
+           },
+           "calibration: detach the collector and return what it collected (empty when none was attached), "
+           "as activation_stats()")
+      .def("activation_stats",
+           [](const Engine& e) {
+             ActivationStats s;
+             {
+               py::gil_scoped_release nogil;
+               s = e.activation_stats();
+             }
+             return activation_stats_dict(s);
+           },
+           "the statistics collected so far: {GGUF weight name: (sum of squares per matrix and input channel "
+           "[n_mat, in_dim] float64, tokens per matrix [n_mat] int64)}; weights that take the same input "
+           "share one pair of arrays")
       .def_property_readonly("threads", &Engine::threads)
       .def_property_readonly("context", &Engine::context)
       .def_property_readonly("kv_tokens", &Engine::kv_tokens)

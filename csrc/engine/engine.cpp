@@ -493,4 +493,29 @@ std::vector<std::vector<int32_t>> Engine::routing(const std::vector<int32_t>& id
   return trace;
 }
 
+void Engine::start_activation_stats() {
+  if (tp_.size > 1)
+    fail(ErrorKind::Unsupported, "calibration statistics are not supported with tensor parallelism (TP=", tp_.size,
+         "): load the model on one engine (TP=1)");
+  std::lock_guard<std::mutex> lock(mu_);
+  auto stats = std::make_unique<ActivationStats>();
+  model_->set_activation_stats(stats.get());
+  act_stats_ = std::move(stats);
+}
+
+ActivationStats Engine::stop_activation_stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  model_->set_activation_stats(nullptr);
+  ActivationStats out;
+  if (act_stats_) out = std::move(*act_stats_);
+  act_stats_.reset();
+  return out;
+}
+
+ActivationStats Engine::activation_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  TF_CHECK(act_stats_ != nullptr, "activation statistics: none are being collected (start them first)");
+  return *act_stats_;
+}
+
 }  // namespace tf

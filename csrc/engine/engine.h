@@ -141,6 +141,13 @@ class Engine {
   // The experts each MoE layer chooses for every position of `ids`: [n_layer][len * n_used]
   // (empty for dense layers).
   std::vector<std::vector<int32_t>> routing(const std::vector<int32_t>& ids);
+  // Calibration (model/activation_stats.h): from start_activation_stats() (a fresh collector)
+  // until stop_activation_stats() (which hands it over; empty when none was started), every
+  // forward adds the inputs of every weight matrix to it; activation_stats() is a copy of it so
+  // far. TP=1 only: refused on a TP engine.
+  void start_activation_stats();
+  ActivationStats stop_activation_stats();
+  ActivationStats activation_stats() const;
 
   // Tensor parallel. Rank 1 runs follow(): it executes every forward rank 0 plans until rank 0
   // shuts down (returns) or is lost (throws within the timeout). Every plan received is
@@ -198,6 +205,7 @@ class Engine {
   // model_, which points at it, so it outlives the model).
   std::atomic<bool> load_abandoned_{false};
   std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<ActivationStats> act_stats_;  // calibration collector while attached
   std::unique_ptr<PagedKvCache> kv_;
   std::unique_ptr<ThreadPool> pool_;
   mutable std::mutex mu_;              // guards everything below that changes after start-up

@@ -51,9 +51,11 @@ void LlamaModel::gqa_block(const std::vector<BatchToken>& batch, int il, PagedKv
   const LayerWeights& L = layers_[size_t(il)];
   const int64_t T = int64_t(batch.size()), E = cfg_.n_embd, D = cfg_.head_dim, QD = local_heads_ * D;
   const int group = cfg_.n_head / cfg_.n_head_kv;
+  if (stats_) stats_->record(stat_ids_[size_t(il)].attn_in, xn_.data(), T, E, pool);
   project({{&L.wq, q_.data()}, {&L.wk, k_.data()}, {&L.wv, v_.data()}}, xn_.data(), T, E, pool);
   store_qkv(batch, il, kv, pool);
   attention(batch, il, kv, q_.data(), QD, group, int(D), int(D), attn_.data(), QD, pool);
+  if (stats_) stats_->record(stat_ids_[size_t(il)].attn_out, attn_.data(), T, QD, pool);
   ksplit_matmul(L.wo, attn_.data(), T, QD, kv_split_ > 0 ? kv_split_ * group * D : -1, xn_.data(), part_.data(), pool);
 }
 

@@ -45,9 +45,11 @@ void LlamaModel::mla_block(const std::vector<BatchToken>& batch, int il, PagedKv
   const int64_t QL = cfg_.q_lora_rank, CR = C + R;
 
   // 1. The projections of the normed input: q (through its LoRA) and the latent + rope key.
+  if (stats_) stats_->record(stat_ids_[size_t(il)].attn_in, xn_.data(), T, E, pool);
   if (QL > 0) {
     project({{&L.wq_a, q_lora_.data()}, {&L.wkv_a, latent_.data()}}, xn_.data(), T, E, pool);
     rmsnorm(q_lora_.data(), L.q_a_norm, q_lora_.data(), T, QL);
+    if (stats_) stats_->record(stat_ids_[size_t(il)].q_b, q_lora_.data(), T, QL, pool);
     project({{&L.wq_b, q_.data()}}, q_lora_.data(), T, QL, pool);
   } else {
     project({{&L.wq, q_.data()}, {&L.wkv_a, latent_.data()}}, xn_.data(), T, E, pool);
@@ -69,12 +71,22 @@ void LlamaModel::mla_block(const std::vector<BatchToken>& batch, int il, PagedKv
       }
     }
   });
+  // Calibration: W_kb and W_vb per head (their inputs: q_nope, o_latent below); an older file's
+  // attn_kv_b as its expanded form takes it (the normed latent, before its rows were absorbed).
+  if (stats_) {
+    const LayerStatIds& s = stat_ids_[size_t(il)];
+    if (s.k_b >= 0) stats_->record_heads(s.k_b, q_.data(), T, H * D, D, pool);
+    if (s.kv_b >= 0) stats_->record(s.kv_b, latent_.data(), T, CR, pool);
+  }
   // 3. W_kb absorbed into the query: q_abs[t][h][:latent] = W_kb[h] . q_nope[t][h].
   head_project(L.wk_b, q_.data(), T, H * D, D, q_abs_.data(), H * CR, CR, pool);
   // 4. Attention over the latent rows: every head reads the same row (one cache head).
   attention(batch, il, kv, q_abs_.data(), H * CR, int(H), int(CR), int(C), o_latent_.data(), H * C, pool);
   // 5. W_vb per head, then the output projection (split where TP=2 splits the heads).
+  if (stats_ && stat_ids_[size_t(il)].v_b >= 0)
+    stats_->record_heads(stat_ids_[size_t(il)].v_b, o_latent_.data(), T, H * C, C, pool);
   head_project(L.wv_b, o_latent_.data(), T, H * C, C, attn_.data(), H * V, V, pool);
+  if (stats_) stats_->record(stat_ids_[size_t(il)].attn_out, attn_.data(), T, H * V, pool);
   ksplit_matmul(L.wo, attn_.data(), T, H * V, kv_split_ > 0 ? kv_split_ * V : -1, xn_.data(), part_.data(), pool);
 }
 

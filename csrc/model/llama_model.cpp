@@ -174,10 +174,12 @@ void LlamaModel::silu_mul_parts(int64_t n, int64_t split, float* g, const float*
 void LlamaModel::dense_ffn(int layer, int64_t T, ThreadPool& pool) {
   const LayerWeights& L = layers_[size_t(layer)];
   const int64_t E = cfg_.n_embd, F = local_ff_;
+  if (stats_) stats_->record(stat_ids_[size_t(layer)].ffn_in, xn_.data(), T, E, pool);
   project({{&L.w_gate, gate_.data()}, {&L.w_up, up_.data()}}, xn_.data(), T, E, pool);
   pool.parallel_for(T, 4, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) silu_mul_parts(F, f_split_, gate_.data() + t * F, up_.data() + t * F);
   });
+  if (stats_) stats_->record(stat_ids_[size_t(layer)].ffn_down, gate_.data(), T, F, pool);
   ksplit_matmul(L.w_down, gate_.data(), T, F, f_split_, ffn_out_.data(), part_.data(), pool);
 }
 
@@ -230,6 +232,7 @@ void LlamaModel::forward(const std::vector<BatchToken>& batch, PagedKvCache& kv,
     ++n_out;
   }
   if (n_out == 0) return;
+  if (stats_) stats_->record(stat_output_, xn_.data(), n_out, E, pool);
   const int64_t V = cfg_.n_vocab;
   if (tp_.size == 1) {
     project({{&output_, logits}}, xn_.data(), n_out, E, pool);

@@ -37,6 +37,7 @@
 #include "gguf/gguf_reader.h"
 #include "kv/paged_kv_cache.h"
 #include "comm/group.h"
+#include "model/activation_stats.h"
 #include "model/model_config.h"
 
 namespace tf {
@@ -120,6 +121,10 @@ class LlamaModel {
   // routing_trace()[layer]: for checking routing against a reference, not for serving.
   void set_routing_trace(bool on);
   const std::vector<std::vector<int32_t>>& routing_trace() const { return trace_; }
+  // Calibration (activation_stats.cpp): while `stats` is set, every forward adds the inputs of
+  // every weight matrix to it, under the weights' GGUF names (registered here, so `stats` must
+  // be a fresh collector); nullptr detaches. TP=1 only (a rank sees only its slices).
+  void set_activation_stats(ActivationStats* stats);
 
   // Size scratch for batches of up to max_tokens tokens, sequences up to max_ctx positions.
   // Returns the bytes; count_only: nothing allocated, only the bytes (for the memory plan).
@@ -255,6 +260,24 @@ class LlamaModel {
   std::vector<std::vector<int64_t>> expert_usage_;
   bool tracing_ = false;
   std::vector<std::vector<int32_t>> trace_;
+  // Calibration: the collector (null: none, nothing recorded) and its accumulator of each
+  // input of each layer (-1: no such input).
+  struct LayerStatIds {
+    int attn_in = -1;    // attn_q/k/v (GQA), attn_q or attn_q_a, attn_kv_a_mqa (MLA)
+    int q_b = -1;        // attn_q_b: the normed q-LoRA
+    int k_b = -1;        // attn_k_b per head: q_nope
+    int v_b = -1;        // attn_v_b per head: the attention output in latent space
+    int kv_b = -1;       // attn_kv_b (older files): the normed latent, as its expanded form takes it
+    int attn_out = -1;   // attn_output
+    int ffn_in = -1;     // ffn_gate/up, or router + shared expert gate/up (+ its sigmoid gate)
+    int ffn_down = -1;   // ffn_down
+    int exp_in = -1;     // ffn_gate_exps/ffn_up_exps, per expert
+    int exp_down = -1;   // ffn_down_exps, per expert
+    int shexp_down = -1; // ffn_down_shexp
+  };
+  ActivationStats* stats_ = nullptr;
+  std::vector<LayerStatIds> stat_ids_;
+  int stat_output_ = -1;
 };
 
 }  // namespace tf

@@ -17,6 +17,8 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   const LayerWeights& L = layers_[size_t(layer)];
   const int64_t E = cfg_.n_embd, NE = cfg_.n_expert, K = cfg_.n_expert_used, FE = local_ff_exp_;
   // 1. Router logits and routing.
+  const LayerStatIds* st = stats_ ? &stat_ids_[size_t(layer)] : nullptr;  // calibration
+  if (st) stats_->record(st->ffn_in, xn_.data(), T, E, pool);
   project({{&L.router, router_logits_.data()}}, xn_.data(), T, E, pool);
   moe::RouterConfig rc = cfg_.router;
   rc.selection_bias = L.selection_bias;
@@ -40,6 +42,7 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
       exp_rows_[size_t(row)] = int32_t(t);
       slot_of_[size_t(t * K + k)] = row;
     }
+  if (st) stats_->record_grouped(st->exp_in, xn_.data(), E, exp_offset_.data(), exp_rows_.data(), pool);
   // 3. Gate/up: each expert's tokens gathered (already quantized) into consecutive rows, for
   // each layout the two need (gate and up may be of different types).
   const unsigned mask = quantize_acts({&L.gate_exps.first, &L.up_exps.first}, xn_.data(), T, E, E, act_, pool);
@@ -68,6 +71,7 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
   pool.parallel_for(R, 4, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) silu_mul_parts(FE, fe_split_, exp_gate_.data() + r * FE, exp_up_.data() + r * FE);
   });
+  if (st) stats_->record_grouped(st->exp_down, exp_gate_.data(), FE, exp_offset_.data(), nullptr, pool);
   // 4. Down projections and the weighted combine (slot order: fixed), per split part: the
   // partial sums TP ranks hold, added as the All-Reduce adds them.
   const bool ep = expert_parallel_;
@@ -124,6 +128,7 @@ void LlamaModel::moe_ffn(int layer, int64_t T, ThreadPool& pool) {
     project({{&L.gate_shexp, gate_.data()}, {&L.up_shexp, up_.data()}}, xn_.data(), T, E, pool);
     const int64_t split = fs_split_[size_t(layer)];
     for (int64_t t = 0; t < T; ++t) silu_mul_parts(FS, split, gate_.data() + t * FS, up_.data() + t * FS);
+    if (st) stats_->record(st->shexp_down, gate_.data(), T, FS, pool);
     for (int part = 0; part < (two ? 2 : 1); ++part) {
       const int64_t c0 = part == 0 || split <= 0 ? 0 : split;
       const int64_t c1 = two && part == 0 && split > 0 ? split : FS;

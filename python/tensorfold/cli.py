@@ -339,6 +339,36 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from .calibrate import calibrate
+
+    r = calibrate(a.model, a.text, a.output, ctx=a.ctx, max_chunks=a.chunks, threads=a.threads,
+                  progress=not a.quiet)
+    n_mat = len({id(v[0]) for v in r.stats.values()})
+    print(f"wrote {r.path}: {len(r.stats)} weights ({n_mat} distinct inputs), {r.tokens} tokens in {r.chunks} "
+          f"chunks of {r.ctx}, {r.seconds:.1f} s ({r.tokens / max(r.seconds, 1e-9):.0f} tokens/s)")
+    for name, n in sorted(r.unused_experts.items()):
+        n_all = len(r.stats[name][1])
+        print(f"warning: {name}: {n} of {n_all} experts got no calibration token (a longer or more varied text "
+              f"covers them; the quantizer weighs them uniformly)", file=sys.stderr)
+    return 0
+
+
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from .quantize import quantize
+
+    def echo(*args, file=None):
+        print(*args, file=file or sys.stdout, flush=True)
+
+    r = quantize(a.input, a.output, target_bpw=a.target_bpw, calib=a.calib, keep=a.keep,
+                 candidates=a.types.split(",") if a.types else None, threads=a.threads, sample=a.sample,
+                 eval_text=a.eval, eval_ctx=a.ctx, eval_chunks=a.eval_chunks, dry_run=a.dry_run,
+                 progress=not a.quiet, echo=echo)
+    if not a.dry_run:
+        print(f"wrote {r.path}: {r.nbytes / 2**20:.1f} MiB of tensors, {r.bpw:.3f} bits per weight")
+    return 0
+
+
 def cmd_plan(a: argparse.Namespace) -> int:
     from . import _core
     from .engine import parse_memory_budget, resolve_model
@@ -516,6 +546,78 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     ev.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)
+
+    cb = sub.add_parser("calibrate", help="importance matrix of a model on a text (for quantize --calib)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description=_fill("Runs MODEL over the text of --text in chunks of --ctx tokens (cut as "
+                                          "`tensorfold eval` cuts them: BOS first where the model adds one) and "
+                                          "records, for the input of every weight matrix, the sum of squares of "
+                                          "each input channel and the number of tokens: attention (q/k/v, output; "
+                                          "MLA's q_a/q_b/kv_a and, per head, k_b and v_b), FFN gate/up/down, the "
+                                          "MoE router, every routed expert separately with the tokens routed to "
+                                          "it, shared experts, and the output head (token_embd when the output is "
+                                          "tied to it). The output is llama.cpp's GGUF imatrix format: "
+                                          "`llama-quantize --imatrix` reads it, and `tensorfold quantize --calib` "
+                                          "reads it and llama-imatrix's. Memory: the model plus one row of "
+                                          "sums per weight input (per expert). TP=1 only."),
+                        epilog="examples:\n"
+                               "  tensorfold calibrate model-F16.gguf --text calib.txt -o calib.gguf\n"
+                               "  tensorfold calibrate model-F16.gguf --text calib.txt -o calib.gguf --ctx 512 "
+                               "--chunks 100\n"
+                               "  tensorfold quantize model-F16.gguf -o out.gguf --target-bpw 2.9 --calib calib.gguf")
+    cb.add_argument("model", help="GGUF path or known model name (float or quantized: the activations are what "
+                                  "they are)")
+    cb.add_argument("--text", required=True, help="UTF-8 text file to calibrate on (varied text of the kind the "
+                                                  "model will see; keep it apart from any evaluation text)")
+    cb.add_argument("-o", "--output", required=True, help="output imatrix GGUF path")
+    cb.add_argument("--ctx", type=_int_in(4, 8192), default=512, help="tokens per chunk (default 512)")
+    cb.add_argument("--chunks", type=_int_in(1), default=None, help="use at most this many chunks (default: all "
+                                                                     "whole chunks of the text)")
+    cb.add_argument("-t", "--threads", type=_int_in(1), default=None, help="worker threads (default: all CPUs)")
+    cb.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    cb.set_defaults(func=cmd_calibrate)
+
+    qz = sub.add_parser("quantize", help="quantize a float GGUF (or HF directory) to a bits-per-weight target",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description=_fill("Chooses a type for every weight matrix of INPUT so that the whole file "
+                                          "has at most --target-bpw bits per weight and the measured error is "
+                                          "smallest: each candidate type is tried on a sample of the tensor's rows "
+                                          "with TensorFold's importance-weighted quantizers, its output error is "
+                                          "weighed by the calibration data (--calib, from `tensorfold calibrate`), "
+                                          "and a Lagrangian allocation over all tensors picks the types. The plan "
+                                          "(types and bpw per role, total size) is printed before writing. The "
+                                          "output records the recipe, the sha256 of the source and calibration, "
+                                          "the tool version and, with --eval, its measured quality (`tensorfold "
+                                          "info` shows them). Norms and MoE routers stay F32."),
+                        epilog="examples:\n"
+                               "  tensorfold calibrate model-F16.gguf --text calib.txt -o calib.gguf\n"
+                               "  tensorfold quantize model-F16.gguf -o model-2.9bpw.gguf --target-bpw 2.9 "
+                               "--calib calib.gguf\n"
+                               "  tensorfold quantize hf_dir/ -o model.gguf --target-bpw 4.5 --keep "
+                               "'token_embd=Q8_0' --eval eval.txt")
+    qz.add_argument("input", help="F16/BF16/F32 GGUF (quantized tensors are dequantized first, with a warning) "
+                                  "or a Hugging Face checkpoint directory")
+    qz.add_argument("-o", "--output", required=True, help="output GGUF path")
+    qz.add_argument("--target-bpw", type=float, default=None,
+                    help="bits per weight of the whole file (all tensors counted), e.g. 2.9")
+    qz.add_argument("--calib", default=None, metavar="IMATRIX.gguf",
+                    help="importance matrix from `tensorfold calibrate` or llama.cpp's llama-imatrix")
+    qz.add_argument("--keep", action="append", default=[], metavar="PATTERN=TYPE",
+                    help="force a type on the tensors whose name or role matches the glob PATTERN "
+                         "(e.g. 'blk.*.attn_v.weight=Q8_0', 'token_embd=Q6_K'); repeatable, first match wins")
+    qz.add_argument("--types", default=None, metavar="T1,T2,...",
+                    help="candidate types for the allocation (default: every writable type from IQ1_S to F16)")
+    qz.add_argument("--sample", type=_int_in(1024), default=1 << 16,
+                    help="values per tensor the error of each candidate is measured on (default 65536)")
+    qz.add_argument("--eval", default=None, metavar="TEXT",
+                    help="after writing, measure the output against INPUT on this text (perplexity, KLD, "
+                         "same top token) and record the results in its metadata")
+    qz.add_argument("--ctx", type=_int_in(4, 8192), default=512, help="--eval chunk length (default 512)")
+    qz.add_argument("--eval-chunks", type=_int_in(1), default=16, help="--eval: chunks to score (default 16)")
+    qz.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    qz.add_argument("-t", "--threads", type=_int_in(1), default=None, help="worker threads (default: all CPUs)")
+    qz.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    qz.set_defaults(func=cmd_quantize)
 
     pn = sub.add_parser("plan", help="the memory plan of a model on this machine (nothing is loaded)",
                         description="Prints what an engine with these options would keep resident on each "
