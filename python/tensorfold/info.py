@@ -35,6 +35,55 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
+def _quantize_history(md: dict) -> list[str]:
+    """What `tensorfold quantize` recorded: recipe, hashes, version, measured quality."""
+    from .quantize import META_PREFIX
+
+    def get(key):
+        return md.get(META_PREFIX + key)
+
+    if get("version") is None and get("recipe") is None:
+        return []
+    lines = [f"quantized by:  tensorfold {_show(get('version'))}"]
+    tgt, bpw = get("target_bpw"), get("bpw")
+    target = f"target {tgt:.3f} bpw, " if isinstance(tgt, float) else ""
+    lines.append(f"  recipe:      {target}{bpw:.3f} bpw" if isinstance(bpw, float) else f"  recipe:      {target}")
+    lines.append(f"  source:      {_show(get('source'))}  sha256 {_show(get('source_sha256'))}")
+    if get("calib") is not None:
+        lines.append(f"  calibration: {_show(get('calib'))}  sha256 {_show(get('calib_sha256'))}")
+        if get("calib_text_sha256") is not None:
+            lines.append(f"  calib text:  sha256 {_show(get('calib_text_sha256'))}")
+    recipe = _json(get("recipe"))
+    if isinstance(recipe, dict):
+        opts = [f"{k}={recipe[k]}" for k in ("candidates", "keep", "sample_values", "error") if recipe.get(k)]
+        if opts:
+            lines.append("  options:     " + "; ".join(str(o) for o in opts))
+        tensors = recipe.get("tensors")
+        if isinstance(tensors, dict):
+            lines.append(f"  tensor types: {len(tensors)} recorded (`tensorfold info --tensors` lists them)")
+    ev = _json(get("eval"))
+    if isinstance(ev, dict):
+        def num(k, fmt):
+            v = ev.get(k)
+            return format(v, fmt) if isinstance(v, (int, float)) else "?"
+        lines.append(f"  eval:        on {_show(ev.get('text'))} (sha256 {_show(ev.get('text_sha256'), 16)}), "
+                     f"{num('scored_tokens', 'd')} tokens: perplexity {num('ppl', '.4f')} (source "
+                     f"{num('ppl_ref', '.4f')}), KLD mean {num('kld_mean', '.6f')} p99 "
+                     f"{num('kld_p99', '.6f')}, same top token {num('same_top', '.2%')}")
+    return lines
+
+
+def _json(v):
+    import json
+
+    if not isinstance(v, str):
+        return None
+    try:
+        return json.loads(v)
+    except ValueError:
+        return None
+
+
 def describe(model: str, show_tensors: bool = False) -> str:
     from .engine import resolve_model
 
@@ -98,6 +147,7 @@ def describe(model: str, show_tensors: bool = False) -> str:
     for ty, n in sorted(n_el.items(), key=lambda kv: -n_by[kv[0]]):
         lines.append(f"  {ty:<8} {n / 1e6:10.2f} M weights  {n_by[ty] / 2**20:9.1f} MiB  "
                      f"{8 * n_by[ty] / n:6.3f} bpw")
+    lines.extend(_quantize_history(md))
     if unsupported:
         lines.append(f"warning: types not supported by TensorFold yet: {', '.join(sorted(unsupported))}")
     if show_tensors:
