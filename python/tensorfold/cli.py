@@ -362,7 +362,8 @@ def cmd_quantize(a: argparse.Namespace) -> int:
 
     r = quantize(a.input, a.output, target_bpw=a.target_bpw, calib=a.calib, keep=a.keep,
                  candidates=a.types.split(",") if a.types else None, threads=a.threads, sample=a.sample,
-                 eval_text=a.eval, eval_ctx=a.ctx, eval_chunks=a.eval_chunks, dry_run=a.dry_run,
+                 eval_text=a.eval, eval_ctx=a.ctx, eval_chunks=a.eval_chunks, probe_text=a.probe_text,
+                 probe_chunks=a.probe_chunks, dry_run=a.dry_run,
                  progress=not a.quiet, echo=echo)
     if not a.dry_run:
         print(f"wrote {r.path}: {r.nbytes / 2**20:.1f} MiB of tensors, {r.bpw:.3f} bits per weight")
@@ -609,10 +610,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="candidate types for the allocation (default: every writable type from IQ1_S to F16)")
     qz.add_argument("--sample", type=_int_in(1024), default=1 << 16,
                     help="values per tensor the error of each candidate is measured on (default 65536)")
+    qz.add_argument("--probe-text", default=None, metavar="TEXT",
+                    help="measure each role's sensitivity on this text (use the calibration text, not the "
+                         "evaluation text): its tensors are quantized alone and the KL divergence from INPUT is "
+                         "measured, which makes errors of different roles comparable (recommended; one probe "
+                         "per role)")
+    qz.add_argument("--probe-chunks", type=_int_in(1), default=4,
+                    help="--probe-text: chunks of --ctx tokens each probe is scored on (default 4)")
     qz.add_argument("--eval", default=None, metavar="TEXT",
                     help="after writing, measure the output against INPUT on this text (perplexity, KLD, "
                          "same top token) and record the results in its metadata")
-    qz.add_argument("--ctx", type=_int_in(4, 8192), default=512, help="--eval chunk length (default 512)")
+    qz.add_argument("--ctx", type=_int_in(4, 8192), default=512, help="--eval and --probe-text chunk length (default 512)")
     qz.add_argument("--eval-chunks", type=_int_in(1), default=16, help="--eval: chunks to score (default 16)")
     qz.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     qz.add_argument("-t", "--threads", type=_int_in(1), default=None, help="worker threads (default: all CPUs)")

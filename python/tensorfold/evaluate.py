@@ -135,3 +135,34 @@ def evaluate(model, text: str, *, ref=None, ctx: int = 512, max_chunks: int | No
         res.kld_p99, res.kld_max = float(np.percentile(k, 99)), float(k.max())
         res.same_top = float(np.concatenate(same).mean())
     return res
+
+
+class ReferenceDistributions:
+    """The reference model's next-token distributions on a few chunks of a text, kept so that
+    many variants of the model can be scored against them without rerunning the reference
+    (the quantizer's sensitivity probes). Stored as float32 log-probabilities of the scored
+    (second) half of each chunk."""
+
+    def __init__(self, ref, text: str, *, ctx: int, max_chunks: int):
+        if ctx > ref.context:
+            raise ValueError(f"ctx {ctx} is longer than the reference's context ({ref.context})")
+        ids = ref.tokenize(text, add_special=False)
+        tok = ref.tokenizer
+        self.chunks = _chunks(ids, ctx, tok.bos_id if tok.add_bos else None, max_chunks)
+        if not self.chunks:
+            raise ValueError(f"the text has {len(ids)} tokens, fewer than one chunk of {ctx}; give a longer "
+                             f"text or a smaller ctx")
+        self.first = ctx // 2
+        self.logprobs = [_log_softmax(np.asarray(ref.logits(c))[self.first:-1]).astype(np.float32)
+                         for c in self.chunks]
+
+    def kld(self, model) -> float:
+        """Mean KL(reference || model) over the scored positions."""
+        total, n = 0.0, 0
+        for chunk, lr in zip(self.chunks, self.logprobs):
+            lp = _log_softmax(np.asarray(model.logits(chunk))[self.first:-1])
+            lr64 = lr.astype(np.float64)
+            k = np.maximum((np.exp(lr64) * (lr64 - lp)).sum(axis=-1), 0.0)
+            total += float(k.sum())
+            n += len(k)
+        return total / n

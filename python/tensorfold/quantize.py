@@ -274,6 +274,99 @@ def measure_errors(src: _Source, plans: list[TensorPlan], imp: Importance, *, sa
             bar.close()
 
 
+def _probe_type(p: TensorPlan, types: dict[str, QType], target_bpw: float) -> str:
+    """The candidate a sensitivity probe quantizes p to: about 1.5 bpw under the target, where
+    errors are large enough to measure yet still in the regime the allocation works in."""
+    below = [c for c in p.candidates if types[c].bpw <= target_bpw - 1.5 and p.errors.get(c, 0.0) > 0]
+    if below:
+        return max(below, key=lambda c: types[c].bpw)
+    return min(p.candidates, key=lambda c: types[c].bpw)
+
+
+def _near_lossless_type(p: TensorPlan, types: dict[str, QType]) -> str:
+    """Q8_0 where the row length allows (the same quantized-activation path as the other
+    quantized types, with almost no weight error); otherwise the widest candidate."""
+    if "Q8_0" in p.candidates:
+        return "Q8_0"
+    return max(p.candidates, key=lambda c: types[c].bpw)
+
+
+def measure_sensitivity(src: _Source, plans: list[TensorPlan], imp: Importance, types: dict[str, QType],
+                        target_bpw: float, text: str, *, ctx: int, chunks: int, threads: int, tmpdir: str,
+                        progress: bool, echo) -> dict[str, float]:
+    """Scales every free tensor's errors by its role's measured KL divergence per unit of error.
+
+    The weighted squared output error of one tensor is comparable with another's only inside
+    a role (a 1e-3 error in the logits weighs differently from one in a layer's attn_q
+    output). So for each role all its tensors are quantized to a probe type (the others stay
+    as in the source), the model's KL divergence from the source is measured on `text`, and
+    alpha = (KLD - floor) / (summed error at the probe type - at Q8_0). The floor is the KLD
+    of all free tensors at Q8_0 (the quantized-activation paths alone), shared out by weight
+    count. Errors then read as estimated KLD, summed over the tensors by the allocation.
+    Returns {role: alpha}."""
+    from .engine import Engine
+    from .evaluate import ReferenceDistributions
+
+    free = [p for p in plans if p.fixed is None and len(p.candidates) > 1 and p.errors]
+    roles: dict[str, list[TensorPlan]] = {}
+    for p in free:
+        roles.setdefault(p.role, []).append(p)
+    if not roles:
+        return {}
+    opts = dict(threads=threads, context=ctx, kv_tokens=ctx, prefix_cache=False)
+    with Engine(src.path, **opts) as ref:
+        reference = ReferenceDistributions(ref, text, ctx=ctx, max_chunks=chunks)
+    probe_file = os.path.join(tmpdir, "probe.gguf")
+    bar = _bar(progress, total=len(roles) + 1, desc="probe", unit="probe")
+
+    def probe(assign: dict[str, str]) -> float:
+        variant = [dataclasses.replace(p, chosen=assign.get(p.name, p.src_type)) for p in plans]
+        _write(probe_file, src.path, variant, types, {},
+               lambda p: _quantized_tensor(src, imp, p, types, threads), progress=False, desc="probe")
+        try:
+            with Engine(probe_file, **opts) as m:
+                return reference.kld(m)
+        finally:
+            os.remove(probe_file)
+
+    try:
+        high = {p.name: _near_lossless_type(p, types) for p in free}
+        floor = probe(high)
+        if bar is not None:
+            bar.update(1)
+        n_free = sum(p.n_el for p in free)
+        alpha: dict[str, float] = {}
+        rows = []
+        for role, ps in roles.items():
+            low = {p.name: _probe_type(p, types, target_bpw) for p in ps}
+            kld = probe(low)
+            share = floor * sum(p.n_el for p in ps) / n_free
+            d_err = sum(p.errors[low[p.name]] - p.errors.get(high[p.name], 0.0) for p in ps)
+            d_kld = kld - share
+            alpha[role] = d_kld / d_err if d_err > 0 and d_kld > 0 else float("nan")
+            rows.append((role, ", ".join(sorted(set(low.values()))), kld, d_err))
+            if bar is not None:
+                bar.set_postfix_str(role, refresh=False)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    # A role whose probe changed nothing measurable still costs something: the smallest alpha.
+    known = [a for a in alpha.values() if math.isfinite(a)]
+    fallback = min(known) if known else 1.0
+    for role in alpha:
+        if not math.isfinite(alpha[role]):
+            alpha[role] = fallback
+    for p in free:
+        a = alpha[p.role]
+        p.errors = {c: a * e for c, e in p.errors.items()}
+    echo(f"sensitivity (KLD on {len(reference.chunks)} chunks of {ctx}; all free tensors at Q8_0: {floor:.5f}):")
+    echo(f"  {'role':<18} {'probe type':<12} {'KLD':>9} {'KLD per unit error':>19}")
+    for role, ty, kld, _ in rows:
+        echo(f"  {role:<18} {ty:<12} {kld:>9.5f} {alpha[role]:>19.4g}")
+    return alpha
+
+
 def _quantize_matrix(qt: QType, x: np.ndarray, w_rows: np.ndarray | None, threads: int) -> np.ndarray:
     """Rows of x with per-row importance rows (identical rows are batched into one call)."""
     if w_rows is None:
@@ -519,8 +612,8 @@ class QuantizeResult:
 def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: str | None = None,
              keep: list[str] | None = None, candidates: list[str] | None = None, threads: int | None = None,
              sample: int = 1 << 16, eval_text: str | None = None, eval_ctx: int = 512,
-             eval_chunks: int | None = 16, dry_run: bool = False, progress: bool = True,
-             echo=print) -> QuantizeResult:
+             eval_chunks: int | None = 16, probe_text: str | None = None, probe_chunks: int = 4,
+             dry_run: bool = False, progress: bool = True, echo=print) -> QuantizeResult:
     """Quantizes the GGUF (or Hugging Face directory) src_path into out_path; see the module doc."""
     types = qtypes()
     threads = threads or max(1, min(os.cpu_count() or 1, 256))
@@ -538,6 +631,7 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
         raise QuantizeError("the output would overwrite the input; choose another -o")
 
     tmpdir = None
+    sensitivity: dict[str, float] = {}
     try:
         if os.path.isdir(src_path):
             from .convert import convert
@@ -555,6 +649,18 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
             echo(f"warning: {src_path} already holds quantized tensors ({', '.join(requant)}); they are "
                  f"dequantized and quantized again, which adds the errors of both", file=sys.stderr)
         imp = Importance(calib, {n: t["shape"][2] for n, t in src.infos.items() if len(t["shape"]) == 3})
+        probe = None
+        if probe_text is not None and target_bpw is not None:
+            try:
+                with open(probe_text, "rb") as f:
+                    probe_raw = f.read()
+            except OSError as e:
+                raise QuantizeError(f"--probe-text: {e.strerror}: {probe_text}") from None
+            probe = probe_raw.decode("utf-8", errors="replace")
+        elif target_bpw is not None:
+            echo("note: no --probe-text: tensors of different roles are compared by their weighted output "
+                 "error alone; --probe-text (e.g. the calibration text) measures each role's KL divergence "
+                 "per unit of error and places bits much better", file=sys.stderr)
         if calib is None and target_bpw is not None:
             echo("note: no --calib file: errors are weighed uniformly over input channels; an importance "
                  "matrix from `tensorfold calibrate` places bits better", file=sys.stderr)
@@ -566,6 +672,13 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
                                     f"none (e.g. {missing[0]})")
         else:
             measure_errors(src, plans, imp, sample=sample, threads=threads, progress=progress)
+            if probe is not None:
+                if tmpdir is None:
+                    tmpdir = tempfile.mkdtemp(prefix="tf-quantize-",
+                                              dir=os.path.dirname(os.path.abspath(out_path)))
+                sensitivity = measure_sensitivity(src, plans, imp, types, target_bpw, probe, ctx=eval_ctx,
+                                                  chunks=probe_chunks, threads=threads, tmpdir=tmpdir,
+                                                  progress=progress, echo=echo)
             allocate(plans, types, target_bpw)
         table = plan_table(plans, types, target_bpw)
         echo(table)
@@ -586,12 +699,18 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
                 "candidates": cands,
                 "keep": [f"{p}={t}" for p, t in keep_rules],
                 "sample_values": sample,
-                "error": "importance-weighted squared output error per token" if imp else "squared weight error",
+                "error": ("importance-weighted squared output error per token" if imp else
+                          "squared weight error") + (" times its role's measured KLD per unit error"
+                                                     if sensitivity else ""),
+                "sensitivity": sensitivity,
                 "tensors": {p.name: p.chosen for p in plans},
             },
         }
         if target_bpw is not None:
             meta["target_bpw"] = float(target_bpw)
+        if probe is not None:
+            meta["recipe"]["probe"] = {"text": os.path.basename(probe_text), "chunks": probe_chunks,
+                                       "ctx": eval_ctx, "text_sha256": hashlib.sha256(probe_raw).hexdigest()}
         if calib is not None:
             meta["calib"] = os.path.basename(calib)
             meta["calib_sha256"] = _sha256([calib])
