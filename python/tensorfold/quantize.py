@@ -758,6 +758,6 @@ def _eval_and_record(out_path, ref_path, plans, types, meta, text_path, ctx, chu
     except BaseException:
         os.replace(tmp_src, out_path)
         raise
-    del quantized
+    quantized = None  # unmap before the file goes
     os.remove(tmp_src)
     return res
