@@ -129,6 +129,9 @@ def test_beats_a_fixed_per_role_recipe_at_equal_size(tmp_path, model, calib, tex
     assert set(recipe["sensitivity"]) == roles and all(a > 0 for a in recipe["sensitivity"].values())
     with open(texts[0], "rb") as f:
         assert recipe["probe"]["text_sha256"] == hashlib.sha256(f.read()).hexdigest()
+    assert recipe["estimated_kld"] > 0
+    info = subprocess.run([sys.executable, "-m", "tensorfold", "info", ours], capture_output=True, text=True)
+    assert info.returncode == 0 and "KLD/error:" in info.stdout and recipe["probe"]["text_sha256"][:16] in info.stdout
     k_fixed = _kld(fixed, model[1], texts[1])
     k_ours = _kld(ours, model[1], texts[1])
     assert k_ours < k_fixed, (k_ours, k_fixed)

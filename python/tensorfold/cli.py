@@ -363,7 +363,7 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     r = quantize(a.input, a.output, target_bpw=a.target_bpw, calib=a.calib, keep=a.keep,
                  candidates=a.types.split(",") if a.types else None, threads=a.threads, sample=a.sample,
                  eval_text=a.eval, eval_ctx=a.ctx, eval_chunks=a.eval_chunks, probe_text=a.probe_text,
-                 probe_chunks=a.probe_chunks, dry_run=a.dry_run,
+                 probe_chunks=a.probe_chunks, probe_layer_bands=a.probe_layers, dry_run=a.dry_run,
                  progress=not a.quiet, echo=echo)
     if not a.dry_run:
         print(f"wrote {r.path}: {r.nbytes / 2**20:.1f} MiB of tensors, {r.bpw:.3f} bits per weight")
@@ -617,6 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "per role)")
     qz.add_argument("--probe-chunks", type=_int_in(1), default=4,
                     help="--probe-text: chunks of --ctx tokens each probe is scored on (default 4)")
+    qz.add_argument("--probe-layers", type=_int_in(0), default=0, metavar="N",
+                    help="--probe-text: also cut the layers into N bands and probe each band, so layers that "
+                         "matter more than their role's average get more bits (N more probes; default 0 = off)")
     qz.add_argument("--eval", default=None, metavar="TEXT",
                     help="after writing, measure the output against INPUT on this text (perplexity, KLD, "
                          "same top token) and record the results in its metadata")

@@ -58,6 +58,14 @@ def _quantize_history(md: dict) -> list[str]:
         opts = [f"{k}={recipe[k]}" for k in ("candidates", "keep", "sample_values", "error") if recipe.get(k)]
         if opts:
             lines.append("  options:     " + "; ".join(str(o) for o in opts))
+        probe, sens = recipe.get("probe"), recipe.get("sensitivity")
+        if isinstance(probe, dict) and isinstance(sens, dict) and sens:
+            est = recipe.get("estimated_kld")
+            est = f", estimated KLD {est:.4f}" if isinstance(est, (int, float)) else ""
+            lines.append(f"  probes:      on {_show(probe.get('text'))} (sha256 {_show(probe.get('text_sha256'), 16)}), "
+                         f"{_show(probe.get('chunks'))} chunks of {_show(probe.get('ctx'))}{est}")
+            lines.append("  KLD/error:   " + ", ".join(f"{r} {a:.3g}" for r, a in sens.items()
+                                                        if isinstance(a, (int, float))))
         tensors = recipe.get("tensors")
         if isinstance(tensors, dict):
             lines.append(f"  tensor types: {len(tensors)} recorded (`tensorfold info --tensors` lists them)")

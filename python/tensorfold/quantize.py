@@ -293,7 +293,7 @@ def _near_lossless_type(p: TensorPlan, types: dict[str, QType]) -> str:
 
 def measure_sensitivity(src: _Source, plans: list[TensorPlan], imp: Importance, types: dict[str, QType],
                         target_bpw: float, text: str, *, ctx: int, chunks: int, threads: int, tmpdir: str,
-                        progress: bool, echo) -> dict[str, float]:
+                        layer_bands: int = 0, progress: bool, echo) -> tuple[dict[str, float], dict[str, float]]:
     """Scales every free tensor's errors by its role's measured KL divergence per unit of error.
 
     The weighted squared output error of one tensor is comparable with another's only inside
@@ -303,7 +303,11 @@ def measure_sensitivity(src: _Source, plans: list[TensorPlan], imp: Importance, 
     alpha = (KLD - floor) / (summed error at the probe type - at Q8_0). The floor is the KLD
     of all free tensors at Q8_0 (the quantized-activation paths alone), shared out by weight
     count. Errors then read as estimated KLD, summed over the tensors by the allocation.
-    Returns {role: alpha}."""
+
+    With layer_bands > 1 the layers are also cut into that many bands and each band (all its
+    free tensors at their probe types) is probed: beta = its measured KLD / the KLD the role
+    alphas predict for it scales the band's errors, so early or late layers that matter more
+    than their role's average get more bits. Returns ({role: alpha}, {band: beta})."""
     from .engine import Engine
     from .evaluate import ReferenceDistributions
 
@@ -312,12 +316,21 @@ def measure_sensitivity(src: _Source, plans: list[TensorPlan], imp: Importance, 
     for p in free:
         roles.setdefault(p.role, []).append(p)
     if not roles:
-        return {}
+        return {}, {}
+    layer_of = {p.name: int(m.group(1)) for p in free if (m := re.match(r"blk\.(\d+)\.", p.name))}
+    bands: dict[str, list[TensorPlan]] = {}
+    if layer_bands > 1 and layer_of:
+        n_layers = max(layer_of.values()) + 1
+        size = -(-n_layers // min(layer_bands, n_layers))
+        for p in free:
+            if p.name in layer_of:
+                b0 = layer_of[p.name] // size * size
+                bands.setdefault(f"blk.{b0}-{min(b0 + size, n_layers) - 1}", []).append(p)
     opts = dict(threads=threads, context=ctx, kv_tokens=ctx, prefix_cache=False)
     with Engine(src.path, **opts) as ref:
         reference = ReferenceDistributions(ref, text, ctx=ctx, max_chunks=chunks)
     probe_file = os.path.join(tmpdir, "probe.gguf")
-    bar = _bar(progress, total=len(roles) + 1, desc="probe", unit="probe")
+    bar = _bar(progress, total=len(roles) + len(bands) + 1, desc="probe", unit="probe")
 
     def probe(assign: dict[str, str]) -> float:
         variant = [dataclasses.replace(p, chosen=assign.get(p.name, p.src_type)) for p in plans]
@@ -344,27 +357,45 @@ def measure_sensitivity(src: _Source, plans: list[TensorPlan], imp: Importance, 
             d_err = sum(p.errors[low[p.name]] - p.errors.get(high[p.name], 0.0) for p in ps)
             d_kld = kld - share
             alpha[role] = d_kld / d_err if d_err > 0 and d_kld > 0 else float("nan")
-            rows.append((role, ", ".join(sorted(set(low.values()))), kld, d_err))
+            rows.append((role, ", ".join(sorted(set(low.values()))), kld))
             if bar is not None:
                 bar.set_postfix_str(role, refresh=False)
+                bar.update(1)
+        # A role whose probe changed nothing measurable still costs something: the smallest alpha.
+        known = [a for a in alpha.values() if math.isfinite(a)]
+        fallback = min(known) if known else 1.0
+        for role in alpha:
+            if not math.isfinite(alpha[role]):
+                alpha[role] = fallback
+        for p in free:
+            a = alpha[p.role]
+            p.errors = {c: a * e for c, e in p.errors.items()}
+        beta: dict[str, float] = {}
+        band_rows = []
+        for band, ps in bands.items():
+            low = {p.name: _probe_type(p, types, target_bpw) for p in ps}
+            kld = probe(low)
+            predicted = sum(p.errors[low[p.name]] - p.errors.get(high[p.name], 0.0) for p in ps)
+            measured = kld - floor * sum(p.n_el for p in ps) / n_free
+            beta[band] = measured / predicted if predicted > 0 and measured > 0 else 1.0
+            band_rows.append((band, kld, predicted))
+            for p in ps:
+                p.errors = {c: beta[band] * e for c, e in p.errors.items()}
+            if bar is not None:
+                bar.set_postfix_str(band, refresh=False)
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-    # A role whose probe changed nothing measurable still costs something: the smallest alpha.
-    known = [a for a in alpha.values() if math.isfinite(a)]
-    fallback = min(known) if known else 1.0
-    for role in alpha:
-        if not math.isfinite(alpha[role]):
-            alpha[role] = fallback
-    for p in free:
-        a = alpha[p.role]
-        p.errors = {c: a * e for c, e in p.errors.items()}
     echo(f"sensitivity (KLD on {len(reference.chunks)} chunks of {ctx}; all free tensors at Q8_0: {floor:.5f}):")
     echo(f"  {'role':<18} {'probe type':<12} {'KLD':>9} {'KLD per unit error':>19}")
-    for role, ty, kld, _ in rows:
+    for role, ty, kld in rows:
         echo(f"  {role:<18} {ty:<12} {kld:>9.5f} {alpha[role]:>19.4g}")
-    return alpha
+    if band_rows:
+        echo(f"  {'layers':<18} {'':<12} {'KLD':>9} {'predicted':>9} {'scale':>9}")
+        for band, kld, pred in band_rows:
+            echo(f"  {band:<18} {'':<12} {kld:>9.5f} {pred:>9.5f} {beta[band]:>9.3g}")
+    return alpha, beta
 
 
 def _quantize_matrix(qt: QType, x: np.ndarray, w_rows: np.ndarray | None, threads: int) -> np.ndarray:
@@ -613,7 +644,7 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
              keep: list[str] | None = None, candidates: list[str] | None = None, threads: int | None = None,
              sample: int = 1 << 16, eval_text: str | None = None, eval_ctx: int = 512,
              eval_chunks: int | None = 16, probe_text: str | None = None, probe_chunks: int = 4,
-             dry_run: bool = False, progress: bool = True, echo=print) -> QuantizeResult:
+             probe_layer_bands: int = 0, dry_run: bool = False, progress: bool = True, echo=print) -> QuantizeResult:
     """Quantizes the GGUF (or Hugging Face directory) src_path into out_path; see the module doc."""
     types = qtypes()
     threads = threads or max(1, min(os.cpu_count() or 1, 256))
@@ -632,6 +663,7 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
 
     tmpdir = None
     sensitivity: dict[str, float] = {}
+    layer_scale: dict[str, float] = {}
     try:
         if os.path.isdir(src_path):
             from .convert import convert
@@ -676,11 +708,16 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
                 if tmpdir is None:
                     tmpdir = tempfile.mkdtemp(prefix="tf-quantize-",
                                               dir=os.path.dirname(os.path.abspath(out_path)))
-                sensitivity = measure_sensitivity(src, plans, imp, types, target_bpw, probe, ctx=eval_ctx,
-                                                  chunks=probe_chunks, threads=threads, tmpdir=tmpdir,
-                                                  progress=progress, echo=echo)
+                sensitivity, layer_scale = measure_sensitivity(
+                    src, plans, imp, types, target_bpw, probe, ctx=eval_ctx, chunks=probe_chunks, threads=threads,
+                    tmpdir=tmpdir, layer_bands=probe_layer_bands, progress=progress, echo=echo)
             allocate(plans, types, target_bpw)
         table = plan_table(plans, types, target_bpw)
+        estimated_kld = None
+        if sensitivity:
+            # first order: the probes' KLD per unit error times each chosen type's error, summed
+            estimated_kld = sum(p.errors.get(p.chosen, 0.0) for p in plans if p.fixed is None)
+            table += f"\nestimated KLD from the probes (sum over tensors, first order): {estimated_kld:.4f}"
         echo(table)
         n_el = sum(p.n_el for p in plans)
         nbytes = sum(types[p.chosen].nbytes(p.n_el) for p in plans)
@@ -703,6 +740,8 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
                           "squared weight error") + (" times its role's measured KLD per unit error"
                                                      if sensitivity else ""),
                 "sensitivity": sensitivity,
+                "layer_sensitivity": layer_scale,
+                "estimated_kld": estimated_kld,
                 "tensors": {p.name: p.chosen for p in plans},
             },
         }
@@ -710,6 +749,7 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
             meta["target_bpw"] = float(target_bpw)
         if probe is not None:
             meta["recipe"]["probe"] = {"text": os.path.basename(probe_text), "chunks": probe_chunks,
+                                       "layer_bands": probe_layer_bands,
                                        "ctx": eval_ctx, "text_sha256": hashlib.sha256(probe_raw).hexdigest()}
         if calib is not None:
             meta["calib"] = os.path.basename(calib)
