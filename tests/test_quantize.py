@@ -219,8 +219,10 @@ def test_bad_requests_say_what_to_do(tmp_path, model):
         quantize(model[1], out, target_bpw=4.0, keep=["attn_v=Q9_9"], **quiet)
     with pytest.raises(QuantizeError, match="no such file"):
         quantize(str(tmp_path / "missing.gguf"), out, target_bpw=4.0, **quiet)
-    with pytest.raises(QuantizeError, match="--probe-text: No such file"):
+    with pytest.raises(QuantizeError, match="cannot read --probe-text .*missing.txt: No such file"):
         quantize(model[1], out, target_bpw=4.0, probe_text=str(tmp_path / "missing.txt"), **quiet)
+    with pytest.raises(QuantizeError, match="cannot read --eval .*missing.txt: No such file"):
+        quantize(model[1], out, target_bpw=4.0, eval_text=str(tmp_path / "missing.txt"), **quiet)
     with pytest.raises(QuantizeError, match="overwrite the input"):
         quantize(model[1], model[1], target_bpw=4.0, **quiet)
     r = subprocess.run([sys.executable, "-m", "tensorfold", "quantize", model[1], "-o", out, "--target-bpw", "0.5"],

@@ -156,13 +156,9 @@ def calibrate(model, text_path: str, out_path: str, *, ctx: int = 512, max_chunk
     """`tensorfold calibrate`: loads `model` (path or known name), collects the statistics on
     the text file and writes them to `out_path`."""
     from .engine import Engine
+    from .evaluate import read_text
 
-    try:
-        with open(text_path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ValueError(f"cannot read --text {text_path}: {e.strerror}") from None
-    text = raw.decode("utf-8", errors="replace")
+    raw, text = read_text(text_path)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(out_dir):
         raise ValueError(f"cannot write {out_path}: the directory {out_dir} does not exist")

@@ -322,13 +322,9 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 def cmd_eval(a: argparse.Namespace) -> int:
     from .engine import Engine
-    from .evaluate import evaluate
+    from .evaluate import evaluate, read_text
 
-    try:
-        with open(a.text, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(f"cannot read --text {a.text}: {e.strerror}") from None
+    _, text = read_text(a.text)
     model = Engine(a.model, threads=a.threads, context=a.ctx, kv_tokens=a.ctx, prefix_cache=False)
     ref = Engine(a.ref, threads=a.threads, context=a.ctx, kv_tokens=a.ctx, prefix_cache=False) if a.ref else None
     res = evaluate(model, text, ref=ref, ctx=a.ctx, max_chunks=a.chunks, progress=not a.quiet)

@@ -56,6 +56,22 @@ class EvalResult:
         return json.dumps(asdict(self), indent=1)
 
 
+def read_text(path: str, option: str = "--text") -> tuple[bytes, str]:
+    """A text file's bytes (for its sha256) and its text (invalid UTF-8 replaced); a missing or
+    unreadable file is a ValueError naming the option it came from."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {option} {path}: {e.strerror}") from None
+    return raw, raw.decode("utf-8", errors="replace")
+
+
+def _kld_rows(lr: np.ndarray, lp: np.ndarray) -> np.ndarray:
+    """KL(reference || model) per position from float64 log-probabilities."""
+    return np.maximum((np.exp(lr) * (lr - lp)).sum(axis=-1), 0.0)
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
@@ -114,7 +130,7 @@ def evaluate(model, text: str, *, ref=None, ctx: int = 512, max_chunks: int | No
             if ref is not None:
                 lr = _log_softmax(np.asarray(ref.logits(chunk))[first:-1])
                 nll_ref.append(-lr[rows, target])
-                kld.append(np.maximum((np.exp(lr) * (lr - lp)).sum(axis=-1), 0.0))
+                kld.append(_kld_rows(lr, lp))
                 same.append(lp.argmax(axis=-1) == lr.argmax(axis=-1))
             if bar is not None:
                 bar.update(1)
@@ -161,8 +177,7 @@ class ReferenceDistributions:
         total, n = 0.0, 0
         for chunk, lr in zip(self.chunks, self.logprobs):
             lp = _log_softmax(np.asarray(model.logits(chunk))[self.first:-1])
-            lr64 = lr.astype(np.float64)
-            k = np.maximum((np.exp(lr64) * (lr64 - lp)).sum(axis=-1), 0.0)
+            k = _kld_rows(lr.astype(np.float64), lp)
             total += float(k.sum())
             n += len(k)
         return total / n

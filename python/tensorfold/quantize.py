@@ -372,7 +372,7 @@ def measure_sensitivity(src: _Source, plans: list[TensorPlan], imp: Importance, 
             p.errors = {c: a * e for c, e in p.errors.items()}
         beta: dict[str, float] = {}
         band_rows = []
-        for band, ps in bands.items():
+        for band, ps in sorted(bands.items(), key=lambda kv: int(kv[0][4:].split("-")[0])):
             low = {p.name: _probe_type(p, types, target_bpw) for p in ps}
             kld = probe(low)
             predicted = sum(p.errors[low[p.name]] - p.errors.get(high[p.name], 0.0) for p in ps)
@@ -676,6 +676,7 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
             raise QuantizeError(f"{src_path}: no such file or directory (expected a GGUF or a Hugging Face "
                                 f"checkpoint directory)")
         src = _Source(gguf_src, types)
+        eval_input = None if eval_text is None else _read_text(eval_text, "--eval")
         requant = sorted({t["type"] for t in src.infos.values() if t["type"] not in ("F32", "F16", "BF16")})
         if requant:
             echo(f"warning: {src_path} already holds quantized tensors ({', '.join(requant)}); they are "
@@ -683,12 +684,7 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
         imp = Importance(calib, {n: t["shape"][2] for n, t in src.infos.items() if len(t["shape"]) == 3})
         probe = None
         if probe_text is not None and target_bpw is not None:
-            try:
-                with open(probe_text, "rb") as f:
-                    probe_raw = f.read()
-            except OSError as e:
-                raise QuantizeError(f"--probe-text: {e.strerror}: {probe_text}") from None
-            probe = probe_raw.decode("utf-8", errors="replace")
+            probe_raw, probe = _read_text(probe_text, "--probe-text")
         elif target_bpw is not None:
             echo("note: no --probe-text: tensors of different roles are compared by their weighted output "
                  "error alone; --probe-text (e.g. the calibration text) measures each role's KL divergence "
@@ -762,7 +758,7 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
                lambda p: _quantized_tensor(src, imp, p, types, threads), progress=progress, desc="quantize")
         result = QuantizeResult(out_path, bpw, nbytes, table)
         if eval_text is not None:
-            result.eval = _eval_and_record(out_path, gguf_src, plans, types, meta, eval_text, eval_ctx,
+            result.eval = _eval_and_record(out_path, gguf_src, plans, types, meta, eval_text, eval_input, eval_ctx,
                                            eval_chunks, threads, progress, echo)
         return result
     finally:
@@ -772,15 +768,22 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
             shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _eval_and_record(out_path, ref_path, plans, types, meta, text_path, ctx, chunks, threads, progress,
+def _read_text(path: str, option: str) -> tuple[bytes, str]:
+    from .evaluate import read_text
+
+    try:
+        return read_text(path, option)
+    except ValueError as e:
+        raise QuantizeError(str(e)) from None
+
+
+def _eval_and_record(out_path, ref_path, plans, types, meta, text_path, text_input, ctx, chunks, threads, progress,
                      echo) -> dict:
     """Measures out_path against the source on the text and rewrites it with the results."""
     from .engine import Engine
     from .evaluate import evaluate
 
-    with open(text_path, "rb") as f:
-        raw = f.read()
-    text = raw.decode("utf-8", errors="replace")
+    raw, text = text_input
     opts = dict(threads=threads, context=ctx, kv_tokens=ctx, prefix_cache=False)
     with Engine(ref_path, **opts) as ref, Engine(out_path, **opts) as model:
         r = evaluate(model, text, ref=ref, ctx=ctx, max_chunks=chunks, progress=progress)
