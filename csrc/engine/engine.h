@@ -195,6 +195,8 @@ class Engine {
   void load_with_heartbeat(TpShard shard);
   // Rank 0: runs one forward on every rank (plan broadcast first under TP).
   void run_forward(const std::vector<BatchToken>& batch, float* logits);
+  // Throws when a weight read faulted past the end of a shrunk model file (gguf/mapping_guard.h).
+  void check_weights_intact() const;
   void send_command(int64_t cmd, const std::vector<int32_t>& payload);
   void heartbeat_loop();
   void require_leader(const char* what) const;

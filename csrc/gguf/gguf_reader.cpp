@@ -16,6 +16,7 @@
 #include "gguf/gguf_reader.h"
 
 #include "core/interrupt.h"
+#include "gguf/mapping_guard.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -347,6 +348,7 @@ int64_t GgufTensorInfo::n_elements() const {
 
 GgufFile::~GgufFile() {
   for (GgufPart& part : parts_) {
+    gguf_guard::unregister_mapping(part.guard_slot);
     if (part.base) munmap(const_cast<uint8_t*>(part.base), static_cast<size_t>(part.size));
     if (part.fd >= 0) ::close(part.fd);
   }
@@ -422,6 +424,7 @@ std::shared_ptr<GgufFile> GgufFile::open_one(const std::string& in_path) {
   }
   part.base = static_cast<const uint8_t*>(m);
   part.size = size;
+  part.guard_slot = gguf_guard::register_mapping(m, static_cast<size_t>(size));
   f->total_size_ = size;
   const uint8_t* p = part.base;
 
@@ -770,8 +773,17 @@ std::vector<uint64_t> GgufFile::element_offsets(const GgufValue& array) const {
   return out;
 }
 
+bool GgufFile::mapping_lost() const {
+  for (const GgufPart& part : parts_)
+    if (gguf_guard::mapping_lost(part.guard_slot)) return true;
+  return false;
+}
+
 void GgufFile::check_unchanged() const {
   for (const GgufPart& part : parts_) {
+    if (gguf_guard::mapping_lost(part.guard_slot))
+      fail(ErrorKind::InvalidInput, part.shown, ": the file shrank while in use (a read past its new end "
+           "was caught); reload the model");
     struct stat st;
     if (part.fd < 0 || fstat(part.fd, &st) != 0) {
       int e = errno;

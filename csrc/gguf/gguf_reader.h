@@ -7,11 +7,12 @@
 // its element count (a 97 MiB uint8 array costs a few dozen bytes, not 8 bytes per element).
 //
 // SIGBUS: the file is memory-mapped, and if another process truncates it while it is mapped,
-// touching a page past the new end kills the process with SIGBUS. No handler is installed for
-// that (it cannot be recovered from safely). Instead the file stays open and
-// check_unchanged() fstat()s it — a cheap syscall — so a long-lived user (the engine, between
-// requests) can refuse to go on once the file shrank or was rewritten in place. Replacing the
-// file by rename is safe: the mapping keeps the old inode alive.
+// touching a page past the new end raises SIGBUS. Each mapping is registered with the SIGBUS
+// guard (gguf/mapping_guard.h), which makes such reads return zeros and marks the file lost
+// (mapping_lost()), so the engine can fail the step with an error instead of the process
+// dying. The file also stays open and check_unchanged() fstat()s it — a cheap syscall — so a
+// long-lived user (the engine, before each step) refuses to go on once the file shrank or was
+// rewritten in place. Replacing the file by rename is safe: the mapping keeps the old inode.
 //
 // Split models (llama.cpp's gguf-split): NAME-00001-of-0000N.gguf ... NAME-0000N-of-0000N.gguf,
 // each a complete GGUF carrying split.no (0-based), split.count and split.tensors.count; the
@@ -80,6 +81,7 @@ struct GgufPart {
   uint64_t n_tensors = 0;            // tensors whose data this part holds
   int fd = -1;
   int64_t mtime_sec = 0, mtime_nsec = 0;
+  int guard_slot = -1;               // its SIGBUS guard slot (gguf/mapping_guard.h)
 };
 
 class GgufFile {
@@ -118,6 +120,10 @@ class GgufFile {
   // since open (size or mtime differ): reading it further could SIGBUS or give other bytes
   // than were validated. One fstat() per part; meant to be called between requests.
   void check_unchanged() const;
+  // Whether a read of a mapping faulted because its file shrank (see gguf/mapping_guard.h):
+  // the bytes read since are zeros, so nothing computed from them may be used. No syscall:
+  // cheap enough to ask after every forward pass.
+  bool mapping_lost() const;
 
   const std::vector<std::pair<std::string, GgufValue>>& metadata() const { return kv_; }
   const GgufValue* find(const std::string& key) const;
