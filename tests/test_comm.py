@@ -217,7 +217,7 @@ def test_stray_connections_do_not_take_the_peers_place():
         out0, _ = p0.communicate(timeout=30)
         assert p0.returncode == 0 and p1.returncode == 0, out0 + out1
         assert result_of(out0) == result_of(out1) == {"error": None, "sum": 3.0}
-        # the silent connection cost at most its handshake deadline (3 s), not the timeout
+        # the silent connection did not hold the peer up (handshakes run concurrently)
         assert time.monotonic() - t < 8
         rejected = [ln for ln in out0.splitlines() if "rejected a connection" in ln]
         assert len(rejected) == 5, out0
@@ -226,7 +226,8 @@ def test_stray_connections_do_not_take_the_peers_place():
         assert "0.0.0.0:0" not in out0
         assert "bad message length 2147483648" in out0
         assert "not a TensorFold comm peer" in out0
-        assert "by peer" in out0 and "timed out" in out0
+        # the silent one was still in its handshake when the peer got in (closed then)
+        assert "by peer" in out0 and ("still in its handshake" in out0 or "timed out" in out0)
     finally:
         for p in (p0,):
             if p.poll() is None:

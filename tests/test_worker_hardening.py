@@ -122,7 +122,11 @@ def test_stray_connections_are_rejected_and_the_worker_keeps_listening(smollm2_p
         assert any(f"from 127.0.0.1:{p} " in ln for ln in rejected), (p, err)
     assert "0.0.0.0:0" not in err and "Traceback" not in err
     assert "bad message length 2147483648" in err and "not a TensorFold comm peer" in err
-    assert "differs" in err and "timed out" in err
+    assert "differs" in err
+    # the silent one, served alongside rank 0, was closed when rank 0 got in (or timed out first)
+    silent_line = next(ln for ln in rejected if f"from 127.0.0.1:{ports[-1]} " in ln)
+    assert "(closed: still in its handshake when TP rank 0 was admitted)" in silent_line \
+        or "timed out" in silent_line, silent_line
 
 
 def test_token_admits_only_the_intended_rank0(smollm2_path, reference_tokens, monkeypatch):
@@ -173,6 +177,221 @@ def test_cli_token_flag_and_env_default(smollm2_path, monkeypatch):
             worker.kill()
             worker.wait()
     assert worker.returncode == 0 and "rejected" not in err, err
+
+
+# ------------------------------------------------------------- jamming, log floods, messages
+@pytest.mark.parametrize("n_silent", [20, 80])  # 80: past the cap of connections in their handshake
+def test_silent_connections_do_not_keep_rank0_out(smollm2_path, reference_tokens, monkeypatch, n_silent):
+    """Connections that never say a word (no token needed to open them) hold the worker's
+    handshake slots for 3 s each; served one by one, 20 of them kept a token-holding rank 0 out
+    past its timeout. Served concurrently, rank 0 gets in at once."""
+    monkeypatch.delenv("TENSORFOLD_TP_TOKEN", raising=False)
+    port = free_port()
+    worker = start_worker(smollm2_path, port, "--token", "jam-42")
+    silent = []
+    try:
+        wait_listening(port, worker)
+        silent = [stray(port, None) for _ in range(n_silent)]
+        t = time.monotonic()
+        eng = tensorfold.Engine(smollm2_path, threads=1, context=CONTEXT, tp=2, rank=0,
+                                peer=f"127.0.0.1:{port}", timeout=30, token="jam-42")
+        # Served one at a time, n_silent x 3 s (>= 60 s) would have passed first.
+        assert time.monotonic() - t < 20
+        try:
+            got = eng.generate([1, 504, 3287, 314, 253], max_tokens=12, temperature=0, ignore_eos=True).token_ids
+        finally:
+            eng.close()
+        err = finish(worker)
+    finally:
+        for s in silent:
+            s.close()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 0, err
+    assert got == reference_tokens
+    assert "Traceback" not in err and "jam-42" not in err
+    # each silent connection is a refused one: logged one by one, then summarised
+    lines = err.splitlines()
+    one_by_one = [ln for ln in lines if "rejected a connection" in ln]
+    summarised = sum(int(ln.split("rejected ")[1].split()[0]) for ln in lines if "more connection(s)" in ln)
+    assert len(one_by_one) == min(n_silent, 20) and len(one_by_one) + summarised == n_silent, err
+
+
+def _reject_and_wait(port: int, payload: bytes) -> None:
+    """One connection the worker rejects; returns once the worker has closed it (so it is counted)."""
+    s = stray(port, payload)
+    s.settimeout(10)
+    try:
+        while s.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    finally:
+        s.close()
+
+
+def test_a_rejection_flood_is_summarised_never_silenced(smollm2_path, monkeypatch):
+    """The first 20 rejections are logged one by one, the rest in summary lines (at most one per
+    10 s, and one when the wait ends) that count them and name the last."""
+    monkeypatch.delenv("TENSORFOLD_TP_TOKEN", raising=False)
+    port = free_port()
+    worker = start_worker(smollm2_path, port)
+    try:
+        wait_listening(port, worker)
+        ports = []
+        for _ in range(35):
+            _reject_and_wait(port, b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n")
+        eng = tensorfold.Engine(smollm2_path, threads=1, context=CONTEXT, tp=2, rank=0,
+                                peer=f"127.0.0.1:{port}", timeout=20)
+        assert len(eng.generate([1, 2, 3], max_tokens=2, temperature=0, ignore_eos=True).token_ids) == 2
+        eng.close()
+        err = finish(worker)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 0, err
+    one_by_one = [ln for ln in err.splitlines() if "rejected a connection" in ln]
+    assert len(one_by_one) == 20, err
+    assert "further rejections are summarised" in one_by_one[-1]
+    summaries = [ln for ln in err.splitlines() if "more connection(s)" in ln]
+    assert summaries and "no longer logging" not in err, err
+    assert sum(int(ln.split("rejected ")[1].split()[0]) for ln in summaries) == 15, err
+    assert f"on bootstrap address 127.0.0.1:{port} in the last" in summaries[-1], err
+    assert "(the last from 127.0.0.1:" in summaries[-1] and "bad message length" in summaries[-1], err
+    # the summary comes before the worker reports the connection it waited for
+    assert err.index(summaries[-1]) < err.index("worker: connected"), err
+
+
+def test_messages_name_the_ranks_as_the_user_knows_them(smollm2_path, monkeypatch):
+    """The comm layer numbers the listener rank 0; messages say 'the TP worker' and 'TP rank 0'."""
+    monkeypatch.delenv("TENSORFOLD_TP_TOKEN", raising=False)
+    port = free_port()  # nothing listens there
+    r = subprocess.run([sys.executable, "-m", "tensorfold.cli", "generate", smollm2_path, "-p", "hi", "-n", "1",
+                        "-t", "1", "-c", str(CONTEXT), "--tp", "2", "--peer", f"127.0.0.1:{port}",
+                        "--tp-timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert f"could not connect to the TP worker (rank 1, `tensorfold worker`) at 127.0.0.1:{port}" in r.stderr
+    assert "rank 0" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # and the worker, waiting in vain, names TP rank 0
+    worker = start_worker(smollm2_path, free_port(), "--wait", "1")
+    err = finish(worker)
+    assert worker.returncode != 0 and "timed out waiting for TP rank 0 to connect" in err, err
+    assert "rank 1 to connect" not in err
+
+
+def test_a_mismatch_names_the_options_that_differ(smollm2_path, reference_tokens, monkeypatch):
+    """Two processes started with different -c: both say which option differs, with both values,
+    instead of showing the raw handshake text. Resolved values are compared, so a default on one
+    side and the same value given explicitly on the other agree."""
+    monkeypatch.delenv("TENSORFOLD_TP_TOKEN", raising=False)
+    port = free_port()
+    worker = start_worker(smollm2_path, port)  # -c 256, --kv-tokens by default: 4096
+    rank0 = [sys.executable, "-m", "tensorfold.cli", "generate", smollm2_path, "-p", "hi", "-n", "1", "-t", "1",
+             "--tp", "2", "--peer", f"127.0.0.1:{port}", "--tp-timeout", "10", "--temperature", "0"]
+    try:
+        r = subprocess.run(rank0 + ["-c", "128"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1, r.stderr
+        assert "context 128 here, 256 on the peer" in r.stderr, r.stderr
+        assert "start both ranks with the same -c/--context" in r.stderr, r.stderr
+        assert "tensorfold-tp-" not in r.stderr  # not the raw handshake text
+        # kv_tokens given explicitly on rank 0, left to its default (the same 4096) on the worker
+        ok = subprocess.run(rank0 + ["-c", str(CONTEXT), "--kv-tokens", "4096"], capture_output=True, text=True,
+                            timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        err = finish(worker)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 0, err
+    assert "context 256 here, 128 on the peer" in err, err
+    assert "tensorfold-tp-" not in err
+
+
+def _fake_rank1_handshake(s: socket.socket, handshake: str) -> None:
+    """The connecting side of the comm handshake, by hand (no token), so a test controls when
+    the rail connections come."""
+    def send(b: bytes) -> None:
+        s.sendall(struct.pack("<I", len(b)) + b)
+
+    def recv() -> bytes:
+        def exact(n: int) -> bytes:
+            out = b""
+            while len(out) < n:
+                chunk = s.recv(n - len(out))
+                assert chunk, "rank 0 closed the bootstrap link"
+                out += chunk
+            return out
+        return exact(struct.unpack("<I", exact(4))[0])
+
+    send("\n".join(["tensorfold-comm 2", "endian little", "size 2", "rank 1", "transport tcp",
+                    "dtypes f32,f16,bf16", "rails 1", f"small {64 << 10}", f"chunk {512 << 10}",
+                    f"nonce {os.urandom(16).hex()}", "auth none", f"handshake {handshake}"]).encode())
+    assert recv().startswith(b"tensorfold-comm 2")
+    send(b"proof none")
+    assert recv() == b"proof none"
+    send(b"ok")
+    assert recv() == b"ok"
+
+
+def test_silent_connections_to_a_rail_port_do_not_stall_setup(capfd):
+    """The listening rank announces its rail ports after the handshake; connections there that
+    stay silent, send a wrong hello or close are dropped while the peer's rail gets in. Served one
+    by one (3 s each), 5 silent ones held the rails up for 15 s, past the peer's patience."""
+    import threading
+
+    port = free_port()
+    result = {}
+
+    def rank0() -> None:
+        try:
+            g = comm.Group(0, 2, f"127.0.0.1:{port}", timeout=30, handshake="rails-test")
+            result["ok"] = g.stats()["rails"][0]["peer"]
+            g.close()
+        except Exception as e:  # reported below
+            result["error"] = f"{type(e).__name__}: {e}"
+
+    th = threading.Thread(target=rank0)
+    th.start()
+    socks = []
+    try:
+        end = time.monotonic() + 10
+        while True:
+            try:
+                boot = socket.create_connection(("127.0.0.1", port), timeout=10)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < end, "rank 0 never listened"
+                time.sleep(0.05)
+        socks.append(boot)
+        _fake_rank1_handshake(boot, "rails-test")
+        n = struct.unpack("<I", boot.recv(4, socket.MSG_WAITALL))[0]
+        nonce, rail0 = boot.recv(n, socket.MSG_WAITALL).decode().split()
+        host, rport = rail0.rsplit(":", 1)
+        t = time.monotonic()
+        socks += [socket.create_connection((host, int(rport)), timeout=10) for _ in range(5)]  # silent
+        wrong = socket.create_connection((host, int(rport)), timeout=10)
+        wrong.sendall(struct.pack("<QII", int(nonce) ^ 1, 0x54465231, 0))
+        socks.append(wrong)
+        wrong_port = wrong.getsockname()[1]
+        socket.create_connection((host, int(rport)), timeout=10).close()
+        real = socket.create_connection((host, int(rport)), timeout=10)
+        socks.append(real)
+        real_port = real.getsockname()[1]
+        real.sendall(struct.pack("<QII", int(nonce), 0x54465231, 0))
+        n = struct.unpack("<I", boot.recv(4, socket.MSG_WAITALL))[0]
+        assert boot.recv(n, socket.MSG_WAITALL) == b"rails-ok"
+        assert time.monotonic() - t < 10  # one by one: 5 x 3 s
+    finally:
+        th.join(timeout=30)
+        for s in socks:
+            s.close()
+    assert "ok" in result and result["ok"].endswith(f":{real_port}"), result
+    err = capfd.readouterr().err
+    assert f"rejected a connection on rail 0 (" in err, err
+    assert f"from 127.0.0.1:{wrong_port} (not our peer's rail 0); still waiting for rank 1" in err, err
 
 
 # ----------------------------------------------------------------------------- hostile plans
@@ -335,4 +554,28 @@ def test_ctrl_c_while_following_an_idle_rank0(smollm2_path, monkeypatch):
             worker.wait()
     assert worker.returncode == 130, err
     assert elapsed < 1.0, elapsed
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_while_connections_are_in_their_handshake(smollm2_path):
+    """Ctrl-C ends the wait at once although silent connections are being served meanwhile."""
+    port = free_port()
+    worker = start_worker(smollm2_path, port)
+    silent = []
+    try:
+        wait_listening(port, worker)
+        silent = [stray(port, None) for _ in range(5)]
+        time.sleep(0.3)
+        t = time.monotonic()
+        worker.send_signal(signal.SIGINT)
+        err = finish(worker, timeout=10)
+        elapsed = time.monotonic() - t
+    finally:
+        for s in silent:
+            s.close()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 130, err
+    assert elapsed < 2.0, elapsed
     assert "Traceback" not in err

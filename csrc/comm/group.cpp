@@ -35,7 +35,10 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <sstream>
+#include <system_error>
+#include <thread>
 
 #include "comm/ibverbs_transport.h"
 #include "comm/transport.h"
@@ -879,10 +882,11 @@ class PairGroup final : public Group {
 //      auth text names both nonces (rank 0's first) and the sender's rank, so a proof is good
 //      for this session and direction only and never reveals the token;
 //   3. verdict: "ok" or "reject <why>", so a mismatch is reported on both ranks.
-// Rank 0 runs it on every connection it accepts and keeps listening after a failure.
+// Rank 0 runs it on every connection it accepts (several at once) and keeps listening after a
+// failure.
 constexpr size_t kMaxHelloBytes = size_t(64) << 10;
 constexpr double kCandidateSeconds = 3.0;  // rank 0: time one connection gets to pass the handshake
-constexpr int kMaxRejectLogs = 20;
+constexpr size_t kMaxCandidates = 64;       // rank 0: connections in their handshake at once
 
 std::string hello_text(const GroupOptions& o, int n_rails, const std::string& nonce) {
   std::ostringstream os;
@@ -922,12 +926,15 @@ std::map<std::string, std::string> parse_hello(const std::string& s) {
   return kv;
 }
 
-std::string clip(const std::string& s) {
+// Peer text fit for a message: at most 200 characters, control characters replaced.
+std::string printable(const std::string& s) {
   std::string t = s.size() <= 200 ? s : s.substr(0, 200) + "...";
   for (char& c : t)
     if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) == 0x7f) c = '?';
-  return "'" + t + "'";
+  return t;
 }
+
+std::string clip(const std::string& s) { return "'" + printable(s) + "'"; }
 
 std::string random_nonce() {
   std::random_device rd;
@@ -959,6 +966,39 @@ bool all_digits(const std::string& s, size_t max_len) {
   for (char c : s)
     if (c < '0' || c > '9') return false;
   return true;
+}
+
+// Names what differs between two handshake texts (GroupOptions::handshake_hints): "context 256
+// here, 128 on the peer; start both ranks with the same -c/--context". Empty when they differ
+// in anything but the values of KEY=VALUE items (another version or layout of the text).
+std::string explain_mismatch(const std::string& mine, const std::string& peer,
+                             const std::map<std::string, GroupOptions::HandshakeHint>& hints) {
+  auto items = [](const std::string& s) {
+    std::vector<std::string> v;
+    std::istringstream is(s);
+    for (std::string t; is >> t;) v.push_back(t);
+    return v;
+  };
+  const std::vector<std::string> a = items(mine), b = items(peer);
+  if (a.size() != b.size()) return "";
+  std::string named, fixes;
+  std::set<std::string> seen_fixes;
+  int n_named = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] == b[i]) continue;
+    const size_t ea = a[i].find('='), eb = b[i].find('=');
+    if (ea == std::string::npos || ea == 0 || eb != ea || a[i].compare(0, ea, b[i], 0, eb) != 0) return "";
+    if (++n_named > 8) return "";  // not a configuration that differs in a few options
+    const std::string key = a[i].substr(0, ea);
+    const auto h = hints.find(key);
+    const std::string label = h != hints.end() && !h->second.label.empty() ? h->second.label : key;
+    named += (named.empty() ? "" : "; ") + label + " " + printable(a[i].substr(ea + 1)) + " here, " +
+             printable(b[i].substr(ea + 1)) + " on the peer";
+    if (h != hints.end() && !h->second.fix.empty() && seen_fixes.insert(h->second.fix).second)
+      fixes += (fixes.empty() ? "" : " and ") + h->second.fix;
+  }
+  if (named.empty()) return "";
+  return fixes.empty() ? named : named + "; start both ranks with " + fixes;
 }
 
 struct Agreed {
@@ -1019,9 +1059,15 @@ Agreed handshake(const GroupOptions& opts, Bootstrap& boot, Deadline dl, int my_
   check("size", "peer's group size differs");
   check("transport", "peer's transport differs");
   check("dtypes", "peer supports different dtypes");
-  check("handshake", "peer's handshake (model hash / TP config) differs");
+  if (problem.empty() && peer["handshake"] != mine["handshake"]) {
+    const std::string why = explain_mismatch(mine["handshake"], peer["handshake"], opts.handshake_hints);
+    problem = why.empty() ? "peer's handshake (model hash / TP config) differs: this rank has " +
+                                clip(mine["handshake"]) + ", peer (" + boot.peer_addr() + ") has " +
+                                clip(peer["handshake"])
+                          : "the configuration of the peer (" + boot.peer_addr() + ") differs: " + why;
+  }
   if (problem.empty() && peer["rank"] != std::to_string(1 - opts.rank))
-    problem = "both ranks claim rank " + std::to_string(opts.rank) + " (peer " + boot.peer_addr() + ")";
+    problem = "both ranks claim to be " + opts.self_name + " (peer " + boot.peer_addr() + ")";
   if (problem.empty() && (!all_digits(peer["small"], 12) || !all_digits(peer["chunk"], 12) ||
                           !all_digits(peer["rails"], 2)))
     problem = "peer (" + boot.peer_addr() + ") sent a malformed handshake";
@@ -1047,13 +1093,99 @@ Agreed handshake(const GroupOptions& opts, Bootstrap& boot, Deadline dl, int my_
   return a;
 }
 
+// One connection in its handshake, on a thread of its own: the listening rank serves several
+// at once, so connections that stay silent cannot hold the peer out. Destroying it unblocks
+// the handshake (shutdown of the link) and joins the thread.
+struct Candidate {
+  std::unique_ptr<Bootstrap> boot;
+  std::string from;
+  std::thread th;
+  std::atomic<bool> finished{false};
+  bool passed = false, interrupted = false;
+  Agreed agreed;
+  std::string error;  // why it failed
+
+  ~Candidate() {
+    if (!th.joinable()) return;
+    boot->abort();
+    th.join();
+  }
+};
+
+std::unique_ptr<Candidate> start_candidate(const GroupOptions& opts, std::unique_ptr<Bootstrap> boot,
+                                           int my_rails) {
+  auto c = std::make_unique<Candidate>();
+  c->boot = std::move(boot);
+  c->from = c->boot->peer_addr();
+  const Deadline cdl = deadline_after(std::min(kCandidateSeconds, opts.timeout_s));
+  Candidate* cp = c.get();
+  // Nothing may escape a thread body (std::terminate): every outcome is recorded.
+  c->th = std::thread([cp, &opts, cdl, my_rails] {
+    try {
+      cp->agreed = handshake(opts, *cp->boot, cdl, my_rails);
+      cp->passed = true;
+    } catch (const Error& e) {
+      cp->error = e.what();
+      cp->interrupted = e.kind() == ErrorKind::Interrupted;
+    } catch (const std::exception& e) {
+      cp->error = e.what();
+    } catch (...) {
+      cp->error = "unknown error";
+    }
+    cp->finished.store(true, std::memory_order_release);
+  });
+  return c;
+}
+
 }  // namespace
+
+// ---------------------------------------------------------------------------------------
+RejectLog::RejectLog(std::string where, std::string waiting_for)
+    : where_(std::move(where)), waiting_for_(std::move(waiting_for)), last_line_(Clock::now()) {}
+
+void RejectLog::reject(const std::string& from, const std::string& why, bool still_waiting) {
+  ++count_;
+  last_ = from + " (" + why + ")";
+  last_from_ = from;
+  last_why_ = why;
+  if (count_ <= kMaxRejectLogs) {
+    std::fprintf(stderr, "tensorfold comm: rejected a connection on %s from %s%s%s%s\n", where_.c_str(),
+                 last_.c_str(), still_waiting ? "; still waiting for " : "",
+                 still_waiting ? waiting_for_.c_str() : "",
+                 count_ == kMaxRejectLogs ? " (further rejections are summarised every 10 s)" : "");
+    last_line_ = Clock::now();
+    return;
+  }
+  ++unlogged_;
+  tick();
+}
+
+void RejectLog::tick() {
+  if (unlogged_ > 0 && Clock::now() - last_line_ >= std::chrono::duration<double>(kRejectSummarySeconds)) summarise();
+}
+
+void RejectLog::finish() {
+  if (unlogged_ > 0) summarise();
+}
+
+void RejectLog::summarise() {
+  const auto now = Clock::now();
+  const double secs = std::max(1.0, std::round(std::chrono::duration<double>(now - last_line_).count()));
+  std::fprintf(stderr,
+               "tensorfold comm: rejected %d more connection(s) on %s in the last %.0f s (the last from %s: %s)\n",
+               unlogged_, where_.c_str(), secs, last_from_.c_str(), last_why_.c_str());
+  unlogged_ = 0;
+  last_line_ = now;
+}
 
 void Group::debug_fail_rail(int rail, uint64_t) {
   fail(ErrorKind::Unsupported, "this comm group has no rail ", rail, " to fail");
 }
 
-std::unique_ptr<Group> Group::create(const GroupOptions& opts) {
+std::unique_ptr<Group> Group::create(const GroupOptions& given) {
+  GroupOptions opts = given;
+  if (opts.self_name.empty()) opts.self_name = "rank " + std::to_string(opts.rank);
+  if (opts.peer_name.empty()) opts.peer_name = "rank " + std::to_string(1 - opts.rank);
   TF_CHECK(opts.size >= 1, "comm group size must be >= 1, got ", opts.size);
   TF_CHECK(opts.rank >= 0 && opts.rank < opts.size, "rank ", opts.rank,
            " out of range for a group of size ", opts.size);
@@ -1069,7 +1201,7 @@ std::unique_ptr<Group> Group::create(const GroupOptions& opts) {
   if (opts.size > 2)
     fail(ErrorKind::Unsupported, "comm group size ", opts.size,
          " is not supported yet (only 1 and 2, i.e. TP=2)");
-  TF_CHECK(!opts.addr.empty(), "comm group of size 2 needs addr='HOST:PORT' (rank 0's bootstrap address)");
+  TF_CHECK(!opts.addr.empty(), "comm group of size 2 needs addr='HOST:PORT' (the listening rank's bootstrap address)");
 
   const Deadline dl = deadline_after(opts.timeout_s);
   const int my_rails = std::max<int>(1, static_cast<int>(opts.rails.size()));
@@ -1079,40 +1211,89 @@ std::unique_ptr<Group> Group::create(const GroupOptions& opts) {
     boot = tcp_bootstrap_connect(opts, dl);
     agreed = handshake(opts, *boot, dl, my_rails);
   } else {
-    // Listen until a connection passes the handshake. Each candidate gets a short deadline
-    // of its own, so garbage, a silent or a half-closed connection costs seconds, not the
-    // group; only wait_s (by default none: a worker waits for rank 0) or Ctrl-C ends the wait.
+    // Listen until a connection passes the handshake. Each candidate gets a short deadline of
+    // its own and a thread of its own, so garbage, silent or half-closed connections cost
+    // seconds of a thread, not the group, and never keep the peer waiting behind them; only
+    // wait_s (by default none: a worker waits for rank 0) or Ctrl-C ends the wait.
     const Deadline wait_dl = opts.wait_s > 0    ? deadline_after(opts.wait_s)
                              : opts.wait_s == 0 ? deadline_after(1e9)
                                                 : dl;
     auto listener = tcp_bootstrap_listen(opts);
-    int rejected = 0;
-    std::string last;
-    for (;;) {
-      try {
-        boot = listener->accept(wait_dl);
-      } catch (const Error& e) {
-        if (e.kind() == ErrorKind::Interrupted || rejected == 0) throw;
-        fail(ErrorKind::Runtime, e.what(), "; rejected ", rejected, " connection(s) meanwhile, the last from ",
-             last);
+    RejectLog log("bootstrap address " + listener->addr(), opts.peer_name);
+    std::deque<std::unique_ptr<Candidate>> cands;  // oldest first; destroyed = aborted and joined
+    std::unique_ptr<Candidate> winner;
+    const auto settle = [&](std::unique_ptr<Candidate> c) {
+      if (c->th.joinable()) c->th.join();
+      if (c->passed && !winner) {
+        winner = std::move(c);
+        return;
       }
-      const Deadline cdl = deadline_after(std::min(kCandidateSeconds, opts.timeout_s));
+      if (c->interrupted) check_interrupt();
+      log.reject(c->from, c->passed ? "another connection passed the handshake first" : c->error);
+    };
+    // Once the wait is over, the candidates still in their handshake are unblocked, joined and
+    // closed; each is a refused connection all the same.
+    const auto close_pending = [&](const std::string& why) {
+      while (!cands.empty()) {
+        std::unique_ptr<Candidate> c = std::move(cands.front());
+        cands.pop_front();
+        const bool done = c->finished.load(std::memory_order_acquire);
+        c->boot->abort();
+        c->th.join();
+        log.reject(c->from, !done ? why : c->passed ? "another connection passed the handshake first" : c->error,
+                   false);
+      }
+    };
+    while (!winner) {
+      for (auto it = cands.begin(); it != cands.end();) {
+        if (!(*it)->finished.load(std::memory_order_acquire)) {
+          ++it;
+          continue;
+        }
+        std::unique_ptr<Candidate> c = std::move(*it);
+        it = cands.erase(it);
+        settle(std::move(c));
+      }
+      if (winner) break;
+      check_interrupt();
+      log.tick();
+      if (Clock::now() >= wait_dl) {
+        close_pending("closed: still in its handshake when the wait for " + opts.peer_name + " ended");
+        log.finish();
+        if (log.count() == 0)
+          fail(ErrorKind::Runtime, "peer lost: timed out waiting for ", opts.peer_name,
+               " to connect on bootstrap address ", listener->addr());
+        fail(ErrorKind::Runtime, "peer lost: timed out waiting for ", opts.peer_name,
+             " to connect on bootstrap address ", listener->addr(), "; rejected ", log.count(),
+             " connection(s) meanwhile, the last from ", log.last());
+      }
+      // Short slices: a finished handshake is noticed within one.
+      std::unique_ptr<Bootstrap> b = listener->accept(std::min(wait_dl, deadline_after(0.02)));
+      if (!b) continue;
+      if (cands.size() >= kMaxCandidates) {
+        // Make room by dropping the oldest: the one that has had the longest to speak.
+        std::unique_ptr<Candidate> oldest = std::move(cands.front());
+        cands.pop_front();
+        oldest->boot->abort();
+        oldest->th.join();
+        if (!oldest->passed) {
+          oldest->error = "dropped: " + std::to_string(kMaxCandidates) +
+                          " connections were in their handshake at once, this one the longest";
+          oldest->interrupted = false;
+        }
+        settle(std::move(oldest));
+      }
+      const std::string from = b->peer_addr();
       try {
-        agreed = handshake(opts, *boot, cdl, my_rails);
-        break;
-      } catch (const Error& e) {
-        if (e.kind() == ErrorKind::Interrupted) throw;
-        ++rejected;
-        last = boot->peer_addr() + " (" + e.what() + ")";
-        if (rejected <= kMaxRejectLogs)
-          std::fprintf(stderr, "tensorfold comm: rejected a connection on %s from %s; still waiting for the peer\n",
-                       listener->addr().c_str(), last.c_str());
-        else if (rejected == kMaxRejectLogs + 1)
-          std::fprintf(stderr, "tensorfold comm: more rejected connections on %s; no longer logging them\n",
-                       listener->addr().c_str());
-        boot.reset();
+        cands.push_back(start_candidate(opts, std::move(b), my_rails));
+      } catch (const std::system_error& e) {  // no thread for it: refuse this connection only
+        log.reject(from, std::string("cannot start its handshake: ") + e.what());
       }
     }
+    close_pending("closed: still in its handshake when " + opts.peer_name + " was admitted");
+    log.finish();
+    boot = std::move(winner->boot);
+    agreed = winner->agreed;
   }
   const Deadline setup_dl = opts.rank == 0 ? deadline_after(opts.timeout_s) : dl;  // counted from the handshake
   auto tr = opts.transport == "ibverbs" ? ibverbs_transport(opts, agreed.n_rails, *boot, setup_dl)

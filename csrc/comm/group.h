@@ -4,10 +4,13 @@
 // (chunking, striping, ordering, rail fail-over) is shared. Every wait has a timeout: a lost
 // peer is a tf::Error within the timeout, never a hang. Rank 0 admits only a peer that
 // passes the handshake (protocol, configuration, optional token); anything else that
-// connects is logged to stderr and dropped while rank 0 keeps listening until its timeout.
+// connects is logged to stderr (rate-limited, never silenced) and dropped while rank 0 keeps
+// listening until its timeout. Candidates are handshaken concurrently, so connections that
+// stay silent cannot hold the real peer out.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +34,18 @@ struct GroupOptions {
   std::string transport = "tcp";  // "tcp" or "ibverbs"
   // Refused at connect unless both ranks give the same value (model hash, TP size, formats).
   std::string handshake;
+  // How a handshake mismatch is explained without the comm layer knowing what the text means:
+  // when both texts are the same space-separated items and only the values of KEY=VALUE items
+  // differ, each such item is named (label, else KEY) with both values, followed by the fixes
+  // ("start both ranks with " + the distinct fixes joined by " and ").
+  struct HandshakeHint {
+    std::string label;  // "context"
+    std::string fix;    // "the same -c/--context"
+  };
+  std::map<std::string, HandshakeHint> handshake_hints;
+  // How messages name this rank and its peer. The comm ranks follow the setup (rank 0 listens),
+  // which need not be how the user knows them (a TP worker listens). Empty: "rank N".
+  std::string self_name, peer_name;
   // Optional shared secret. When set, each rank proves it knows it (HMAC-SHA256 over both
   // ranks' fresh nonces; the token itself never crosses the wire) and refuses a peer that
   // cannot. Both ranks must give the same token, or both none.

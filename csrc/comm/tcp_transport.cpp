@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -174,36 +175,31 @@ Fd listen_on(const sockaddr_in& sa, bool rail, const std::string& what) {
   if (::bind(s.fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) != 0)
     fail(ErrorKind::Runtime, "cannot listen on ", what, " (", to_string(sa), "): ",
          errstr(errno));
-  if (::listen(s.fd, 16) != 0)
+  // A deep backlog: a burst of strays must not crowd out the peer's SYN while they are accepted.
+  if (::listen(s.fd, 128) != 0)
     fail(ErrorKind::Runtime, "listen() on ", to_string(sa), ": ", errstr(errno));
   set_nonblocking(s.fd);
   return s;
 }
 
-// Accepts one connection; `peer` receives its address (taken from accept itself, so it stays
-// right even after the connection failed).
-Fd accept_one(int lfd, Deadline dl, const std::string& what, sockaddr_in* peer = nullptr) {
+// One waiting connection of a non-blocking listener (non-blocking itself), or an invalid Fd
+// when none is waiting. `peer` receives its address, taken from accept itself so it stays
+// right even after the connection failed.
+Fd accept_now(int lfd, const std::string& what, sockaddr_in* peer) {
   for (;;) {
-    pollfd p{lfd, POLLIN, 0};
-    const int rc = poll_slice(&p, 1, dl);
-    if (rc < 0 && errno == EINTR) continue;
-    if (rc <= 0) {
-      if (Clock::now() >= dl) peer_lost("timed out waiting for rank 1 to connect on " + what);
-      continue;
-    }
     sockaddr_in from{};
     socklen_t len = sizeof from;
-    Fd c(::accept4(lfd, reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC));
-    if (c.fd < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED ||
-          errno == EPROTO || errno == ENETDOWN || errno == EHOSTUNREACH || errno == ENETUNREACH)
-        continue;
-      fail(ErrorKind::Runtime, "accept() on ", what, ": ", errstr(errno));
+    Fd c(::accept4(lfd, reinterpret_cast<sockaddr*>(&from), &len, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (c.fd >= 0) {
+      *peer = from;
+      return c;
     }
-    if (peer) *peer = from;
-    set_nonblocking(c.fd);
-    tune_socket(c.fd, true);
-    return c;
+    // A connection that died in the backlog: try the next one.
+    if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO || errno == ENETDOWN ||
+        errno == EHOSTUNREACH || errno == ENETUNREACH)
+      continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return Fd();
+    fail(ErrorKind::Runtime, "accept() on ", what, ": ", errstr(errno));
   }
 }
 
@@ -254,7 +250,7 @@ Fd connect_retry(const sockaddr_in& to, const sockaddr_in* from, bool rail, Dead
     if (s.fd >= 0) return s;
     if (Clock::now() >= dl)
       fail(ErrorKind::Runtime, "peer lost: could not connect to ", what, " at ", to_string(to),
-           " before the timeout (", err, ")");
+           " before the timeout (", err, "); is it running and listening there?");
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     check_interrupt();
   }
@@ -321,6 +317,7 @@ class TcpBootstrap final : public Bootstrap {
   }
   std::string peer_addr() const override { return peer_; }
   std::string local_ip() const override { return local_ip_; }
+  void abort() override { ::shutdown(s_.fd, SHUT_RDWR); }
 
  private:
   Fd s_;
@@ -331,10 +328,17 @@ class TcpBootstrapListener final : public BootstrapListener {
  public:
   TcpBootstrapListener(Fd l, std::string addr) : l_(std::move(l)), addr_(std::move(addr)) {}
   std::unique_ptr<Bootstrap> accept(Deadline dl) override {
-    sockaddr_in peer{};
-    Fd c = accept_one(l_.fd, dl, "bootstrap address " + addr_, &peer);
-    tune_socket(c.fd, false);
-    return std::make_unique<TcpBootstrap>(std::move(c), peer);
+    for (;;) {
+      sockaddr_in peer{};
+      Fd c = accept_now(l_.fd, "bootstrap address " + addr_, &peer);
+      if (c.fd >= 0) {
+        tune_socket(c.fd, false);
+        return std::make_unique<TcpBootstrap>(std::move(c), peer);
+      }
+      if (Clock::now() >= dl) return nullptr;
+      pollfd p{l_.fd, POLLIN, 0};
+      poll_slice(&p, 1, dl);
+    }
   }
   std::string addr() const override { return addr_; }
 
@@ -475,6 +479,120 @@ class TcpTransport final : public Transport {
   std::vector<Rail> rails_;
 };
 
+// The listening side of the rails: one poll over the listeners of the rails still missing and
+// every connection that has not identified itself yet, whose 16-byte hellos are read without
+// blocking. The first valid hello per rail wins; a connection that sends anything else, closes,
+// or stays silent for kRailHelloSeconds is dropped, so no connection can stall the setup.
+void accept_rails(const GroupOptions& opts, const std::vector<Fd>& listeners, uint64_t nonce, Deadline dl,
+                  std::vector<Rail>& rails) {
+  struct Candidate {
+    Fd fd;
+    sockaddr_in from{};
+    int rail = 0;
+    unsigned char hello[16];
+    size_t got = 0;
+    Deadline until;
+    std::string why;  // set: drop it
+    bool won = false;
+  };
+  constexpr size_t kMaxCandidates = 64;
+  const int n_rails = static_cast<int>(listeners.size());
+  std::deque<RejectLog> logs;  // one per rail; a deque never moves them
+  for (int i = 0; i < n_rails; ++i)
+    logs.emplace_back("rail " + std::to_string(i) + " (" + to_string(local_of(listeners[size_t(i)].fd)) + ")",
+                      opts.peer_name);
+  std::vector<Candidate> cands;  // oldest first
+  std::vector<pollfd> pf;
+  std::vector<int> pf_rail;  // the rail of each listener entry in pf
+  int missing = n_rails;
+  while (missing > 0) {
+    const auto now = Clock::now();
+    for (Candidate& c : cands)
+      if (now >= c.until)
+        c.why = "did not identify itself within " + std::to_string(int(kRailHelloSeconds)) + " s";
+    // Settle the candidates: winners take their rail, the dropped are logged and closed.
+    for (Candidate& c : cands) {
+      if (c.won) {
+        tune_socket(c.fd.fd, true);
+        Rail& rl = rails[size_t(c.rail)];
+        rl.local = to_string(local_of(c.fd.fd));
+        rl.peer = to_string(c.from);
+        rl.fd = std::move(c.fd);
+        --missing;
+      } else if (!c.why.empty()) {
+        logs[size_t(c.rail)].reject(to_string(c.from), c.why);
+      }
+    }
+    cands.erase(std::remove_if(cands.begin(), cands.end(), [](const Candidate& c) { return c.won || !c.why.empty(); }),
+                cands.end());
+    for (RejectLog& l : logs) l.tick();
+    if (missing == 0) break;
+    if (now >= dl) {
+      int first = 0;
+      while (rails[size_t(first)].fd.fd >= 0) ++first;
+      peer_lost("timed out waiting for " + opts.peer_name + " to connect on rail " + std::to_string(first));
+    }
+
+    pf.clear();
+    pf_rail.clear();
+    for (int i = 0; i < n_rails; ++i)
+      if (rails[size_t(i)].fd.fd < 0) {
+        pf.push_back({listeners[size_t(i)].fd, POLLIN, 0});
+        pf_rail.push_back(i);
+      }
+    const size_t n_listening = pf.size();
+    for (const Candidate& c : cands) pf.push_back({c.fd.fd, POLLIN, 0});
+    Deadline wake = dl;
+    for (const Candidate& c : cands) wake = std::min(wake, c.until);
+    if (poll_slice(pf.data(), static_cast<int>(pf.size()), wake) <= 0) continue;
+
+    for (size_t j = 0; j < cands.size(); ++j) {
+      Candidate& c = cands[j];
+      if (!pf[n_listening + j].revents) continue;
+      const ssize_t k = ::recv(c.fd.fd, c.hello + c.got, sizeof c.hello - c.got, MSG_DONTWAIT);
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      if (k <= 0) {
+        c.why = k == 0 ? "closed before identifying itself" : errstr(errno);
+        continue;
+      }
+      c.got += size_t(k);
+      if (c.got < sizeof c.hello) continue;
+      uint64_t got_nonce;
+      uint32_t magic, idx;
+      std::memcpy(&got_nonce, c.hello, 8);
+      std::memcpy(&magic, c.hello + 8, 4);
+      std::memcpy(&idx, c.hello + 12, 4);
+      if (magic != kRailHelloMagic || got_nonce != nonce || idx != uint32_t(c.rail))
+        c.why = "not our peer's rail " + std::to_string(c.rail);
+      else if (rails[size_t(c.rail)].fd.fd >= 0 ||
+               std::any_of(cands.begin(), cands.end(), [&](const Candidate& o) { return o.won && o.rail == c.rail; }))
+        c.why = "rail " + std::to_string(c.rail) + " is connected already";
+      else
+        c.won = true;
+    }
+    for (size_t j = 0; j < n_listening; ++j) {
+      if (!pf[j].revents) continue;
+      const int rail = pf_rail[j];
+      for (;;) {
+        Candidate c;
+        c.fd = accept_now(listeners[size_t(rail)].fd, "rail " + std::to_string(rail), &c.from);
+        if (c.fd.fd < 0) break;
+        if (cands.size() >= kMaxCandidates) {  // the oldest has had the longest to speak
+          logs[size_t(cands.front().rail)].reject(to_string(cands.front().from),
+                                                  "dropped: too many connections waiting to identify themselves");
+          cands.erase(cands.begin());
+        }
+        c.rail = rail;
+        c.until = std::min(dl, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                  std::chrono::duration<double>(kRailHelloSeconds)));
+        cands.push_back(std::move(c));
+      }
+    }
+  }
+  for (const Candidate& c : cands)
+    logs[size_t(c.rail)].reject(to_string(c.from), "closed: had not identified itself when the rails were up", false);
+}
+
 }  // namespace
 
 std::unique_ptr<BootstrapListener> tcp_bootstrap_listen(const GroupOptions& opts) {
@@ -486,9 +604,9 @@ std::unique_ptr<BootstrapListener> tcp_bootstrap_listen(const GroupOptions& opts
 
 std::unique_ptr<Bootstrap> tcp_bootstrap_connect(const GroupOptions& opts, Deadline dl) {
   const auto [host, port] = split_host_port(opts.addr);
-  TF_CHECK(port != 0, "rank ", opts.rank, " needs rank 0's port in addr, got '", opts.addr, "'");
+  TF_CHECK(port != 0, opts.self_name, " needs the port ", opts.peer_name, " listens on, got '", opts.addr, "'");
   const sockaddr_in sa = resolve(host, port);
-  Fd c = connect_retry(sa, nullptr, false, dl, "rank 0 (bootstrap)");
+  Fd c = connect_retry(sa, nullptr, false, dl, opts.peer_name);
   return std::make_unique<TcpBootstrap>(std::move(c), sa);
 }
 
@@ -510,43 +628,7 @@ std::unique_ptr<Transport> tcp_transport(const GroupOptions& opts, int n_rails, 
       plan << ' ' << to_string(local_of(listeners.back().fd));
     }
     boot.send_msg(plan.str(), dl);
-    for (int i = 0; i < n_rails; ++i) {
-      const std::string what = "rail " + std::to_string(i);
-      // Anything else that connects to the rail port is dropped; we keep waiting for the
-      // peer's connection (it proves itself with the session nonce) until dl.
-      for (;;) {
-        sockaddr_in from{};
-        Fd c = accept_one(listeners[size_t(i)].fd, dl, what, &from);
-        unsigned char hello[16];
-        std::string why;
-        try {
-          recv_all(c.fd, hello, sizeof hello,
-                   std::min(dl, Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                    std::chrono::duration<double>(kRailHelloSeconds))),
-                   what + " hello");
-          uint64_t got_nonce;
-          uint32_t magic, idx;
-          std::memcpy(&got_nonce, hello, 8);
-          std::memcpy(&magic, hello + 8, 4);
-          std::memcpy(&idx, hello + 12, 4);
-          if (magic != kRailHelloMagic || got_nonce != nonce || idx != uint32_t(i))
-            why = "not our peer's rail " + std::to_string(i);
-        } catch (const Error& e) {
-          if (e.kind() == ErrorKind::Interrupted) throw;
-          why = e.what();
-        }
-        if (!why.empty()) {
-          std::fprintf(stderr, "tensorfold comm: dropped an unexpected connection on %s from %s (%s)\n",
-                       what.c_str(), to_string(from).c_str(), why.c_str());
-          continue;
-        }
-        tune_socket(c.fd, true);
-        rails[size_t(i)].local = to_string(local_of(c.fd));
-        rails[size_t(i)].peer = to_string(from);
-        rails[size_t(i)].fd = std::move(c);
-        break;
-      }
-    }
+    accept_rails(opts, listeners, nonce, dl, rails);
     boot.send_msg("rails-ok", dl);
   } else {
     std::istringstream plan(boot.recv_msg(dl));
@@ -556,13 +638,13 @@ std::unique_ptr<Transport> tcp_transport(const GroupOptions& opts, int n_rails, 
       std::string ep;
       plan >> ep;
       if (ep.empty())
-        fail(ErrorKind::Runtime, "bootstrap: rank 0 announced fewer than ", n_rails, " rails");
+        fail(ErrorKind::Runtime, "bootstrap: ", opts.peer_name, " announced fewer than ", n_rails, " rails");
       const auto [h, p] = split_host_port(ep);
       const sockaddr_in to = resolve(h, p);
       sockaddr_in from{};
       const bool bind_local = !opts.rails.empty();
       if (bind_local) from = resolve(opts.rails[size_t(i)], 0);
-      const std::string what = "rank 0's rail " + std::to_string(i);
+      const std::string what = "rail " + std::to_string(i) + " of " + opts.peer_name;
       Fd c = connect_retry(to, bind_local ? &from : nullptr, true, dl, what);
       unsigned char hello[16];
       const uint32_t magic = kRailHelloMagic, idx = uint32_t(i);
@@ -575,7 +657,7 @@ std::unique_ptr<Transport> tcp_transport(const GroupOptions& opts, int n_rails, 
       rails[size_t(i)].fd = std::move(c);
     }
     const std::string ok = boot.recv_msg(dl);
-    if (ok != "rails-ok") fail(ErrorKind::Runtime, "bootstrap: rank 0 refused the rails: ", ok);
+    if (ok != "rails-ok") fail(ErrorKind::Runtime, "bootstrap: ", opts.peer_name, " refused the rails: ", ok);
   }
   return std::make_unique<TcpTransport>(std::move(rails));
 }

@@ -72,17 +72,45 @@ class Bootstrap {
   virtual std::string peer_addr() const = 0;
   // Local IP of the bootstrap link: the address the peer reached us on (default rail).
   virtual std::string local_ip() const = 0;
+  // Safe from another thread: shuts the link down, so a send/recv waiting on it fails at once
+  // ("peer lost"). The object stays valid (and must still be destroyed) afterwards.
+  virtual void abort() = 0;
 };
 
 // Rank 0's bootstrap socket. It hands out every incoming connection as a candidate; the
-// caller (Group::create) runs the handshake on each and keeps accepting until one passes,
-// so a stray or hostile connection never takes the peer's place.
+// caller (Group::create) runs the handshake on each, several at once, and keeps accepting
+// until one passes, so a stray, hostile or silent connection never takes the peer's place.
 class BootstrapListener {
  public:
   virtual ~BootstrapListener() = default;
-  // The next connection; throws tf::Error("peer lost: timed out ...") once dl passes.
+  // The next connection, or null once dl passes without one.
   virtual std::unique_ptr<Bootstrap> accept(Deadline dl) = 0;
   virtual std::string addr() const = 0;
+};
+
+// Connections refused while waiting for the peer, on stderr: the first kMaxRejectLogs one by
+// one, then at most one summary line per kRejectSummarySeconds and a last one when the wait
+// ends, so a flood neither fills the log nor goes unseen. Not thread-safe.
+class RejectLog {
+ public:
+  static constexpr int kMaxRejectLogs = 20;
+  static constexpr double kRejectSummarySeconds = 10.0;
+  // where: "bootstrap address HOST:PORT"; waiting_for: the peer's name.
+  RejectLog(std::string where, std::string waiting_for);
+  ~RejectLog() { finish(); }
+  // still_waiting: the wait goes on (said in the line); false for connections closed after it.
+  void reject(const std::string& from, const std::string& why, bool still_waiting = true);
+  void tick();    // prints the summary when one is due
+  void finish();  // summarises whatever is not logged yet
+  int count() const { return count_; }
+  // "IP:PORT (why)" of the latest rejection.
+  const std::string& last() const { return last_; }
+
+ private:
+  void summarise();
+  std::string where_, waiting_for_, last_, last_from_, last_why_;
+  int count_ = 0, unlogged_ = 0;
+  Clock::time_point last_line_{};
 };
 
 // Rank 0: binds and listens on opts.addr (throws at once if it cannot).

@@ -94,12 +94,10 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   TF_CHECK(opts.threads >= 0 && opts.threads <= 1024, "threads = ", opts.threads,
            " is out of range (1..1024, or 0 for the usable CPUs)");
   TF_CHECK(opts.max_batch_tokens >= 1, "max_batch_tokens must be >= 1, got ", opts.max_batch_tokens);
-  TF_CHECK(opts.context >= 0 && opts.context <= kMaxContext, "context = ", opts.context,
-           " is out of range (2..", kMaxContext, ", or 0 for the model's)");
-  TF_CHECK(opts.kv_tokens >= 0, "kv_tokens must be >= 0 (0: automatic), got ", opts.kv_tokens);
-  if (opts.kv_tokens > kMaxKvTokens)
-    fail(ErrorKind::InvalidInput, "kv_tokens = ", opts.kv_tokens, " is above the limit of ", kMaxKvTokens,
-         " tokens; lower kv_tokens");
+  TF_CHECK(opts.context >= 0 && opts.context <= kMaxContext, "context must be an integer in [2, ", kMaxContext,
+           "] (0: the model's), got ", opts.context);
+  TF_CHECK(opts.kv_tokens >= 0 && opts.kv_tokens <= kMaxKvTokens, "kv_tokens must be an integer in [1, ",
+           kMaxKvTokens, "] (0: automatic), got ", opts.kv_tokens);
   file_ = GgufFile::open(model_path);
   tp_ = opts.tp;
   TF_CHECK(tp_.size == 1 || tp_.size == 2, "tensor parallel size must be 1 or 2, got ", tp_.size);
@@ -136,6 +134,19 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     g.wait_s = tp_.wait_s;
     g.transport = tp_.transport;
     g.handshake = tp_identity(*file_, opts);
+    // A mismatch names the option to change (the items of tp_identity), and the ranks by the
+    // roles the user gave them: the comm layer's listener (its rank 0) is the TP worker.
+    g.handshake_hints = {{"model_bytes", {"model file size (bytes)", "the same GGUF file"}},
+                         {"header_hash", {"model header hash", "the same GGUF file"}},
+                         {"tp", {"tensor parallel size", "--tp 2"}},
+                         {"context", {"context", "the same -c/--context"}},
+                         {"kv_tokens", {"kv_tokens", "the same --kv-tokens"}},
+                         // capped at the context: it often differs only because the context does
+                         {"max_batch_tokens", {"max_batch_tokens", ""}},
+                         {"kv_type", {"kv_type", "the same kv_type"}}};
+    const char* worker = "the TP worker (rank 1, `tensorfold worker`)";
+    g.self_name = tp_.rank == 0 ? "TP rank 0" : worker;
+    g.peer_name = tp_.rank == 0 ? worker : "TP rank 0";
     g.token = tp_.token;
     group_ = comm::Group::create(g);
     shard.rank = tp_.rank;
@@ -308,6 +319,13 @@ void Engine::register_full_blocks(Sequence& s) {
   }
 }
 
+void Engine::check_weights_intact() const {
+  if (file_->mapping_lost())
+    fail(ErrorKind::InvalidInput, file_->display_path(), ": the model file shrank while this engine was using it "
+         "(a read past its new end was caught); the results of this step are discarded and the engine cannot "
+         "go on: restart it with an intact file");
+}
+
 std::vector<StepOutput> Engine::step() {
   require_leader("step");
   std::lock_guard<std::mutex> lock(mu_);
@@ -385,6 +403,7 @@ std::vector<StepOutput> Engine::step() {
 
   const auto t0 = std::chrono::steady_clock::now();
   run_forward(batch_, logits_.data());
+  check_weights_intact();
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ++stats_.steps;
   const size_t n_prefill = batch_.size() - n_decode;
@@ -465,6 +484,7 @@ void Engine::logits_locked(const std::vector<int32_t>& ids, float* out) {
         batch.push_back({ids[i], int32_t(i), int32_t(slot), true});
       // Rows go straight to the caller's array (no second copy of the result).
       run_forward(batch, out ? out + b * V : logits_.data());
+      check_weights_intact();
     }
   } catch (...) {
     kv_->free_sequence(slot);

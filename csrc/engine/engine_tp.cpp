@@ -9,6 +9,8 @@
 
 #include "core/error.h"
 #include "core/interrupt.h"
+#include "engine/memory_plan.h"
+#include "model/model_config.h"
 
 namespace tf {
 
@@ -18,14 +20,19 @@ constexpr int kLeaderGroupRank = 1;  // engine rank 0 is group rank 1 (engine ra
 }  // namespace
 
 // What both TP ranks must agree on: the same model file and the same engine geometry. Public
-// information (anyone with the file can compute it): admission is the token's job.
+// information (anyone with the file can compute it): admission is the token's job. The geometry
+// is the one the engine resolves (defaults filled in), so a default on one rank and the same
+// value given explicitly on the other agree (v2; v1 carried the options as given). KEY=VALUE
+// items: a mismatch names the items that differ (engine.cpp tells the comm layer the option
+// behind each key).
 std::string Engine::tp_identity(const GgufFile& f, const EngineOptions& o) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the header (metadata + tensor table)
   for (uint64_t i = 0; i < f.data_offset(); ++i) h = (h ^ f.base()[i]) * 1099511628211ull;
+  const EngineGeometry g = resolve_geometry(ModelConfig::from_gguf(f), o);
   std::ostringstream os;
-  os << "tensorfold-tp-v1 model_bytes=" << f.file_size() << " header_hash=" << std::hex << h << std::dec
-     << " tp=" << o.tp.size << " context=" << o.context << " kv_tokens=" << o.kv_tokens
-     << " max_batch_tokens=" << o.max_batch_tokens << " kv_type=" << int(o.kv_type);
+  os << "tensorfold-tp-v2 model_bytes=" << f.file_size() << " header_hash=" << std::hex << h << std::dec
+     << " tp=" << o.tp.size << " context=" << g.context << " kv_tokens=" << g.kv_tokens
+     << " max_batch_tokens=" << g.max_batch_tokens << " kv_type=" << (o.kv_type == KvType::F32 ? "f32" : "f16");
   return os.str();
 }
 
@@ -119,6 +126,7 @@ void Engine::follow() {
     group_->broadcast(plan_.data(), plan_.size() * sizeof(int32_t), kLeaderGroupRank);
     apply_plan();
     model_->forward(batch_, *kv_, *pool_, logits_.data());
+    check_weights_intact();  // a shrunk model file ends the follower (rank 0 then sees it gone)
   }
 }
 
