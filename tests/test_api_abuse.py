@@ -94,34 +94,105 @@ def test_numpy_and_tuple_token_ids_are_fine(engine):
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(top_k=-1), r"top_k must be an integer in \[0, 2147483647\] \(0 = off\), got -1"),
-    (dict(top_k=2.5), r"top_k must be an integer"),
-    (dict(top_k=2**40), r"top_k must be an integer in \[0, 2147483647\]"),
-    (dict(temperature=NAN), r"temperature must be a finite number >= 0 \(0 = greedy\), got nan"),
-    (dict(temperature=INF), r"temperature must be a finite number >= 0"),
-    (dict(temperature=-0.5), r"temperature must be a finite number >= 0"),
-    (dict(temperature="hot"), r"temperature must be a finite number"),
-    (dict(temperature=10**400), r"temperature must be a finite number >= 0"),
-    (dict(top_p=NAN), r"top_p must be a finite number in \(0, 1\] \(1 = off\), got nan"),
-    (dict(top_p=INF), r"top_p must be a finite number in \(0, 1\]"),
-    (dict(top_p=0.0), r"top_p must be a finite number in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be a finite number in \(0, 1\]"),
-    (dict(min_p=NAN), r"min_p must be a finite number in \[0, 1\] \(0 = off\), got nan"),
-    (dict(min_p=-INF), r"min_p must be a finite number in \[0, 1\]"),
-    (dict(min_p=1.5), r"min_p must be a finite number in \[0, 1\]"),
-    (dict(max_tokens=-1), r"max_tokens must be an integer in \[0, 2147483647\], got -1"),
-    (dict(max_tokens=2**40), r"max_tokens must be an integer in \[0, 2147483647\]"),
-    (dict(max_tokens=4.0), r"max_tokens must be an integer"),
-    (dict(seed=1.5), r"seed must be an integer \(used modulo 2\*\*64\) or None, got 1.5"),
-    (dict(seed="7"), r"seed must be an integer"),
+# The rule: a wrong type is a TypeError, a right type with a bad value a ValueError; either
+# message names the valid range.
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(top_k=-1), ValueError, r"top_k must be an integer in \[0, 2147483647\] \(0 = off\), got -1"),
+    (dict(top_k=2.5), TypeError, r"top_k must be an integer in \[0, 2147483647\] \(0 = off\), got 2.5 \(float\)"),
+    (dict(top_k=True), TypeError, r"top_k must be an integer"),
+    (dict(top_k=2**40), ValueError, r"top_k must be an integer in \[0, 2147483647\]"),
+    (dict(temperature=NAN), ValueError, r"temperature must be a finite number >= 0 \(0 = greedy\), got nan"),
+    (dict(temperature=INF), ValueError, r"temperature must be a finite number >= 0"),
+    (dict(temperature=-0.5), ValueError, r"temperature must be a finite number >= 0"),
+    (dict(temperature="hot"), TypeError, r"temperature must be a finite number >= 0 \(0 = greedy\), got 'hot'"),
+    (dict(temperature=None), TypeError, r"temperature must be a finite number"),
+    (dict(temperature=10**400), ValueError, r"temperature must be a finite number >= 0"),
+    (dict(top_p=NAN), ValueError, r"top_p must be a finite number in \(0, 1\] \(1 = off\), got nan"),
+    (dict(top_p=INF), ValueError, r"top_p must be a finite number in \(0, 1\]"),
+    (dict(top_p=0.0), ValueError, r"top_p must be a finite number in \(0, 1\]"),
+    (dict(top_p=1.5), ValueError, r"top_p must be a finite number in \(0, 1\]"),
+    (dict(top_p="1"), TypeError, r"top_p must be a finite number in \(0, 1\]"),
+    (dict(min_p=NAN), ValueError, r"min_p must be a finite number in \[0, 1\] \(0 = off\), got nan"),
+    (dict(min_p=-INF), ValueError, r"min_p must be a finite number in \[0, 1\]"),
+    (dict(min_p=1.5), ValueError, r"min_p must be a finite number in \[0, 1\]"),
+    (dict(max_tokens=-1), ValueError, r"max_tokens must be an integer in \[0, 2147483647\], got -1"),
+    (dict(max_tokens=2**40), ValueError, r"max_tokens must be an integer in \[0, 2147483647\]"),
+    (dict(max_tokens=4.0), TypeError, r"max_tokens must be an integer"),
+    (dict(seed=1.5), TypeError, r"seed must be an integer \(used modulo 2\*\*64\) or None, got 1.5"),
+    (dict(seed="7"), TypeError, r"seed must be an integer"),
+    (dict(ignore_eos="no"), TypeError, r"ignore_eos must be True or False, not str"),
 ], ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(f"{k}={v[k]!r}" for k in v))
-def test_bad_sampling_parameters_name_the_valid_range(engine, kw, match):
+def test_bad_sampling_parameters_name_the_valid_range(engine, kw, exc, match):
     for call in (engine.generate, engine.stream):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(exc, match=match) as e:
             call("Hi", **{"max_tokens": 2, **kw})
-    with pytest.raises(ValueError, match=match):
+        # a bad value is not a TypeError; a wrong type is one (and, for older callers, a ValueError too)
+        assert isinstance(e.value, TypeError) == (exc is TypeError), type(e.value)
+    with pytest.raises(exc, match=match):
         engine.chat([{"role": "user", "content": "Hi"}], **{"max_tokens": 2, **kw})
+    assert _idle(engine)
+
+
+@pytest.mark.parametrize("kw,exc", [
+    (dict(logprobs=1.0), TypeError), (dict(logprobs=True), TypeError), (dict(logprobs="5"), TypeError),
+    (dict(logprobs=-1), ValueError), (dict(logprobs=21), ValueError)])
+def test_logprobs_argument_type_and_range(engine, kw, exc):
+    with pytest.raises(exc, match=r"logprobs must be an integer in \[0, 20\]") as e:
+        engine.generate("Hi", max_tokens=1, **kw)
+    assert isinstance(e.value, TypeError) == (exc is TypeError)
+
+
+def test_messages_type_and_roles(engine):
+    """A messages argument that is not a list is a TypeError; a role outside the chat roles is
+    a ValueError naming them, from the one check the server uses too (chat_template.check_role)."""
+    from tensorfold.chat_template import ROLES, check_role
+
+    for bad in ("hi", {"role": "user", "content": "hi"}, 5):
+        for call in (lambda m: engine.generate(messages=m, max_tokens=1), lambda m: engine.stream(messages=m),
+                     engine.chat, engine.apply_chat_template):
+            with pytest.raises(TypeError, match="messages must be a list"):
+                call(bad)
+    for role in ("wizard", "", None, 3, "User"):
+        msgs = [{"role": "user", "content": "hi"}, {"role": role, "content": "x"}]
+        with pytest.raises(ValueError, match=r"messages\[1\]\.role must be one of \[") as e:
+            engine.generate(messages=msgs, max_tokens=1)
+        with pytest.raises(ValueError, match=r"messages\[1\]\.role must be one of"):
+            engine.stream(messages=msgs)
+        # the same words as the shared check gives, for every role it refuses
+        with pytest.raises(ValueError) as shared:
+            check_role(role, "messages[1].role")
+        assert str(e.value) == str(shared.value)
+    # every role the check accepts renders; "developer" is given to the template as "system"
+    for role in ROLES:
+        assert engine.generate(messages=[{"role": role, "content": "hi"}], max_tokens=1, temperature=0).token_ids
+    assert engine.apply_chat_template([{"role": "developer", "content": "Be brief."}]) == \
+        engine.apply_chat_template([{"role": "system", "content": "Be brief."}])
+    assert _idle(engine)
+
+
+def test_logprobs_carry_the_token_texts(engine):
+    """TokenLogprob has its token's text, and every top entry (still a (token, logprob) pair) its own."""
+    out = engine.generate("The capital of France is", max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    assert "".join(lp.text for lp in out.logprobs) == out.text  # plain ASCII text: the pieces make it up
+    for lp in out.logprobs:
+        assert lp.text == engine.detokenize([lp.token])
+        assert len(lp.top) == 3
+        (t0, v0), first = lp.top[0], lp.top[0]
+        assert (t0, first.logprob) == (lp.token, v0) and first.text == lp.text  # greedy: the most likely one
+        for t in lp.top:
+            assert t == (t.token, t.logprob) and t.text == engine.detokenize([t.token])
+
+
+def test_stream_tells_why_it_ended(engine):
+    it = engine.stream("Once upon a time", max_tokens=3, temperature=0, ignore_eos=True)
+    assert it.finish_reason is None
+    text = "".join(it)
+    assert it.finish_reason == "length"
+    ref = engine.generate("Once upon a time", max_tokens=3, temperature=0, ignore_eos=True)
+    assert text == ref.text and ref.finish_reason == "length"
+    stop = ref.text.strip().split()[0]
+    it = engine.stream("Once upon a time", max_tokens=30, temperature=0, ignore_eos=True, stop=stop)
+    assert stop not in "".join(it) and it.finish_reason == "stop"
     assert _idle(engine)
 
 
@@ -142,16 +213,43 @@ def test_bad_stop_strings(engine):
 
 
 def test_bad_engine_arguments(smollm2_path):
-    for kw, match in ((dict(threads=True), "threads"), (dict(threads=1.0), "threads"),
-                      (dict(threads=2**40), r"threads must be an integer in \[1, 2147483647\]"),
-                      (dict(context=-4), "context"), (dict(kv_tokens=2**64), "kv_tokens"),
+    for kw, match in ((dict(threads=2**40), r"threads must be an integer in \[1, 2147483647\]"),
+                      (dict(context=-4), r"context must be an integer in \[2, 16777216\]"),
+                      (dict(context=1), r"context must be an integer in \[2, 16777216\]"),
+                      (dict(context=2**24 + 1), r"context must be an integer in \[2, 16777216\]"),
+                      (dict(kv_tokens=2**64), r"kv_tokens must be an integer in \[1, 1073741824\]"),
                       (dict(max_batch_tokens=0), r"max_batch_tokens must be an integer in \[1,"),
                       (dict(timeout=NAN), "timeout must be a finite number > 0"),
-                      (dict(timeout=0), "timeout must be a finite number > 0")):
-        with pytest.raises(ValueError, match=match):
+                      (dict(timeout=0), "timeout must be a finite number > 0"),
+                      (dict(tp=3), r"tp must be an integer in \[1, 2\]"),
+                      (dict(kv_type="f64"), "kv_type must be 'f16' or 'f32'"),
+                      (dict(memory_budget="-5GiB"), "memory_budget must be a positive size"),
+                      (dict(transport="udp"), "transport must be")):
+        with pytest.raises(ValueError, match=match) as e:
+            tensorfold.Engine(smollm2_path, **kw)
+        assert not isinstance(e.value, TypeError), kw
+    for kw, match in ((dict(threads=True), "threads"), (dict(threads=1.0), "threads"),
+                      (dict(context="512"), "context must be an integer"), (dict(kv_tokens=4096.0), "kv_tokens"),
+                      (dict(timeout="30"), "timeout must be a finite number"), (dict(tp="2"), "tp"),
+                      (dict(kv_type=16), "kv_type"), (dict(prefix_cache=1), "prefix_cache must be True or False"),
+                      (dict(tp_compatible="yes"), "tp_compatible"), (dict(memory_budget=1.5e9), "memory_budget"),
+                      (dict(memory_budget=True), "memory_budget"), (dict(transport=None), "transport"),
+                      (dict(rails="10.0.0.1"), "rails must be a list")):
+        with pytest.raises(TypeError, match=match):
             tensorfold.Engine(smollm2_path, **kw)
     with pytest.raises(TypeError, match="model must be a path"):
         tensorfold.Engine(b"model.gguf")
+
+
+def test_engine_context_limits_are_the_native_ones(smollm2_path):
+    """The Python layer states the native engine's own context range, in the same words."""
+    from tensorfold import _core
+    from tensorfold.engine import MAX_CONTEXT
+
+    with pytest.raises(ValueError, match=r"context must be an integer in \[2, 16777216\]"):
+        _core.plan_memory(smollm2_path, context=MAX_CONTEXT + 1)
+    # the largest value both accept is accepted by both (the plan only counts bytes)
+    assert _core.plan_memory(smollm2_path, context=MAX_CONTEXT, memory_budget=-1)["context"] == MAX_CONTEXT
 
 
 # ----------------------------------------------------------------------------- close()
@@ -366,3 +464,31 @@ def test_logits_result_is_built_once(engine):
     assert lg.shape == (len(ids), engine.config["n_vocab"])
     assert peak < 1.25 * lg.nbytes, (peak, lg.nbytes)  # no second copy on the Python side
     assert math.isfinite(float(lg[-1].max()))
+
+
+# ------------------------------------------------------------------------------ help()
+
+
+def test_help_shows_docstrings_not_section_comments(smollm2_path):
+    """help(Engine) shows what each public method does: a docstring on every one, and no
+    source comment picked up in place of one (inspect.getcomments)."""
+    import inspect
+    import pydoc
+
+    from tensorfold import Engine
+
+    text = pydoc.render_doc(Engine, renderer=pydoc.plaintext)
+    assert "# --" not in text
+    public = [(n, o) for n, o in vars(Engine).items() if not n.startswith("_")]
+    assert len(public) >= 14
+    for name, obj in public:
+        func = obj.fget if isinstance(obj, property) else obj
+        assert (inspect.getdoc(obj) or "").strip(), f"Engine.{name} has no docstring"
+        assert inspect.getcomments(func) is None, (name, inspect.getcomments(func))
+    # the default thread count is what the engine really uses: the CPUs this process may use
+    doc = inspect.getdoc(Engine)
+    assert "all cores" not in doc and "affinity" in doc
+    from tensorfold import _core
+
+    with Engine(smollm2_path, context=64) as eng:
+        assert eng.threads == _core.usable_cpus()

@@ -168,6 +168,11 @@ def test_closed_stdout_pipe_ends_quietly(smollm2_path):
     (["--seed", "1.5"], r"argument --seed: invalid int value: '1.5'"),
     (["-t", "0"], r"argument -t/--threads: must be an integer in \[1, 2147483647\], got 0"),
     (["-c", "x"], r"argument -c/--context: expected an integer, got 'x'"),
+    (["-c", "1"], r"argument -c/--context: must be an integer in \[2, 16777216\], got 1"),
+    (["-c", str(2**24 + 1)], r"argument -c/--context: must be an integer in \[2, 16777216\], got 16777217"),
+    (["--kv-tokens", "0"], r"argument --kv-tokens: must be an integer in \[1, 1073741824\], got 0"),
+    (["--memory-budget", "-5GiB"], r"argument --memory-budget: must be a positive size, got '-5GiB'"),
+    (["--memory-budget=lots"], r"argument --memory-budget: 'lots' is not a size"),
     (["--tp-timeout", "nan"], r"argument --tp-timeout: must be a finite number > 0, got nan"),
 ])
 def test_bad_options_are_one_line_errors(capsys, opt, match):
@@ -183,7 +188,9 @@ def test_bad_options_are_one_line_errors(capsys, opt, match):
 def test_user_mistakes_are_one_line_errors(tmp_path, smollm2_path):
     for args, match in ((("generate", str(tmp_path)), "is a directory"),
                         (("generate", smollm2_path, "-p", ""), "the prompt is empty"),
-                        (("generate", smollm2_path, "-p", "hi", "-c", "64", "--kv-tokens", "16"), "kv_tokens"),
+                        (("generate", smollm2_path, "-p", "hi", "-c", "64", "--kv-tokens", "16"),
+                         r"--kv-tokens 16 must be at least the context \(-c 64\).*raise --kv-tokens or lower "
+                         r"-c/--context"),
                         (("chat", "no-such-model"), "not found"),
                         (("info", str(tmp_path / "missing.gguf")), "error")):
         r = run_cli(*args, "-t", "1") if args[0] != "info" else run_cli(*args)
@@ -204,7 +211,8 @@ def test_threads_above_the_usable_cpus_warn_and_still_work(smollm2_path):
     n = 2 * _core.usable_cpus()
     r = run_cli("generate", smollm2_path, "-p", "Hi", "-n", "4", "-t", str(n), "--temperature", "0")
     assert r.returncode == 0 and _clean(r.stderr), r.stderr
-    assert f"tensorfold: warning: threads={n} is more than the {_core.usable_cpus()} CPUs" in r.stderr
+    assert f"tensorfold: warning: -t {n} is more than the {_core.usable_cpus()} CPUs" in r.stderr
+    assert f"usually slower than -t {_core.usable_cpus()}" in r.stderr
 
 
 def test_ctrl_c_stops_an_oversubscribed_generate_within_a_second(smollm2_path):
@@ -352,3 +360,209 @@ def test_chat_real_ctrl_c_stops_the_reply_and_goes_on(smollm2_path):
     assert p.returncode == 0 and _clean(err), err
     assert "(interrupted; the partial reply is kept)" in err or "(interrupted; the message was dropped)" in err
     assert err.count("tok/s") >= 1 and "KeyboardInterrupt" not in err  # the next turn was answered
+
+
+# ------------------------------------------------------------------------ first-use papercuts
+
+
+def _engine_errors(stderr: str) -> list[str]:
+    """The engine's Python keyword names a CLI message must not show."""
+    return [w for w in ("kv_tokens", "memory_budget", "max_batch_tokens", "threads=") if w in stderr]
+
+
+def test_over_budget_names_the_cli_options(smollm2_path):
+    """Refused over budget: the command line names its options (--kv-tokens, -c/--context,
+    --memory-budget), the Python API its keyword arguments."""
+    r = run_cli("generate", smollm2_path, "-p", "Hi", "-t", "1", "--kv-tokens", "100000", "--memory-budget", "400MiB")
+    assert r.returncode == 1 and _clean(r.stderr), r.stderr
+    assert "exceeds its budget (--memory-budget)" in r.stderr and "DOES NOT FIT" in r.stderr
+    assert "lower --kv-tokens or -c/--context, or raise --memory-budget" in r.stderr, r.stderr
+    assert not _engine_errors(r.stderr), r.stderr
+    # serve loads in the background: the error it reports (from the loader) names the options too
+    a = cli.build_parser().parse_args(["serve", smollm2_path, "-t", "1", "--kv-tokens", "100000",
+                                       "--memory-budget", "400MiB"])
+    with pytest.raises(MemoryError) as e:
+        cli._load(a, smollm2_path)
+    assert "raise --memory-budget" in str(e.value) and not _engine_errors(str(e.value)), str(e.value)
+    # the same plan from Python: its keyword arguments
+    import tensorfold
+
+    with pytest.raises(MemoryError) as e:
+        tensorfold.Engine(smollm2_path, threads=1, kv_tokens=100000, memory_budget="400MiB")
+    assert "kv_tokens" in str(e.value) and "memory_budget" in str(e.value) and "--" not in str(e.value)
+
+
+def test_context_range_is_stated_one_way(smollm2_path):
+    """-c, the Python API and the native plan state the same range in the same words."""
+    import tensorfold
+    from tensorfold import _core
+
+    want = "must be an integer in [2, 16777216]"
+    r = run_cli("generate", smollm2_path, "-p", "x", "-c", "0")
+    assert r.returncode == 2 and f"argument -c/--context: {want}, got 0" in r.stderr, r.stderr
+    r = run_cli("plan", smollm2_path, "-c", "1")
+    assert r.returncode == 2 and f"argument -c/--context: {want}, got 1" in r.stderr, r.stderr
+    with pytest.raises(ValueError) as e:
+        tensorfold.Engine(smollm2_path, context=1)
+    assert f"context {want}" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        _core.plan_memory(smollm2_path, context=2**24 + 1)
+    assert f"context {want}" in str(e.value)
+
+
+def test_generate_reports_the_prompt_size_even_with_n_0(smollm2_path):
+    import tensorfold
+
+    prompt = "Hello there, how are you today?"
+    n_prompt = len(tensorfold.Engine(smollm2_path, threads=1, context=64).tokenize(prompt))
+    for n in ("0", "1"):
+        r = run_cli("generate", smollm2_path, "-p", prompt, "-n", n, "-t", "1", "--temperature", "0",
+                    "--ignore-eos")
+        assert r.returncode == 0 and _clean(r.stderr), r.stderr
+        assert f"[prompt {n_prompt} tokens" in r.stderr, r.stderr
+        assert f"generated {n} token{'' if n == '1' else 's'} at" in r.stderr, r.stderr
+
+
+def test_counts_are_pluralised(smollm2_path):
+    r = run_cli("generate", smollm2_path, "-p", "Hi", "-n", "1", "-t", "1", "--temperature", "0", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert " on 1 thread in " in r.stderr and "generated 1 token at" in r.stderr, r.stderr
+    assert not re.search(r"\b1 (threads|tokens|bytes)\b", r.stderr), r.stderr
+
+
+def test_chat_says_when_a_reply_is_cut_at_max_tokens(monkeypatch, capsys, smollm2_path):
+    """The note appears exactly when the reply ended at -n (finish reason "length")."""
+    import tensorfold
+
+    eng = tensorfold.Engine(smollm2_path, threads=1, context=512)
+    cases = []
+    for msg, n in (("Tell me a long story about a dragon.", 3), ("Say just: hi", 200)):
+        reason = eng.generate(messages=[{"role": "user", "content": msg}], max_tokens=n, temperature=0).finish_reason
+        cases.append((msg, n, reason))
+    assert {c[2] for c in cases} == {"length", "stop"}, cases  # one of each, or the test proves nothing
+    for msg, n, reason in cases:
+        rc, out, err = _chat(monkeypatch, capsys, f"{msg}\n/exit\n".encode(), smollm2_path, "-n", str(n),
+                             "--temperature", "0", "-t", "1", "-c", "512")
+        assert rc == 0 and _clean(err), err
+        note = f"(reply cut at --max-tokens {n}; raise -n for longer replies)"
+        assert (note in err) == (reason == "length"), (reason, err)
+
+
+def test_quantize_and_worker_take_known_model_names(tmp_path):
+    from tensorfold.pull import known_models
+
+    name = known_models()[0]
+    r = run_cli("quantize", name, "-o", str(tmp_path / "q.gguf"), "--keep", "*=Q8_0", "--dry-run", "-q")
+    assert r.returncode == 0 and _clean(r.stderr), r.stderr
+    assert "total:" in r.stdout and "bpw" in r.stdout
+    # the worker resolves the name before it waits for rank 0 (here: a short wait that ends unanswered)
+    r = run_cli("worker", name, "--listen", "127.0.0.1:0", "--wait", "0.2", "-t", "1")
+    assert "not found" not in r.stderr and "worker: waiting for rank 0" in r.stderr, r.stderr
+    r = run_cli("worker", "no-such-model", "--listen", "127.0.0.1:0", "--wait", "0.2")
+    assert r.returncode == 1 and "tensorfold: error: model 'no-such-model' not found" in r.stderr
+    assert "waiting for rank 0" not in r.stderr
+
+
+def test_convert_errors_are_reported_like_every_command(tmp_path):
+    r = run_cli("convert", str(tmp_path), "-o", str(tmp_path / "out.gguf"))
+    assert r.returncode == 1 and _clean(r.stderr), r.stderr
+    assert r.stderr.startswith("tensorfold: error: ") and "config.json not found" in r.stderr, r.stderr
+    (tmp_path / "exists.gguf").write_bytes(b"x")
+    r = run_cli("convert", str(tmp_path), "-o", str(tmp_path / "exists.gguf"))
+    assert r.returncode == 2 and r.stderr.startswith("tensorfold: error: ") and "--force" in r.stderr
+
+
+# What a plain `pip install .` lacks is told up front, before any model loads (a missing model
+# would be reported first otherwise), in one line that says what to install.
+_WITHOUT = """
+import sys
+for m in sys.argv[1].split(","):
+    sys.modules[m] = None  # `import m` fails as if the package were not installed
+from tensorfold.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _run_without(modules: str, *args):
+    return subprocess.run([sys.executable, "-c", _WITHOUT, modules, *args], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ))
+
+
+def test_missing_dependencies_are_named_before_anything_loads(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 50)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for modules, args, want in (
+        ("gguf", ("calibrate", "no-such-model", "--text", str(text), "-o", str(tmp_path / "c.gguf")),
+         "tensorfold calibrate (writing the importance matrix) needs the 'gguf' package: pip install gguf"),
+        ("gguf", ("quantize", "no-such-model.gguf", "-o", str(tmp_path / "q.gguf"), "--target-bpw", "3"),
+         "tensorfold quantize (writing the GGUF) needs the 'gguf' package"),
+        ("safetensors", ("quantize", str(hf), "-o", str(tmp_path / "q.gguf"), "--target-bpw", "3"),
+         "needs the 'convert' extra: pip install 'tensorfold[convert]'"),
+        ("safetensors", ("convert", str(hf), "-o", str(tmp_path / "c.gguf")),
+         "needs the 'convert' extra: pip install 'tensorfold[convert]'")):
+        r = _run_without(modules, *args)
+        assert r.returncode == 1 and _clean(r.stderr), (args, r.stderr)
+        assert r.stderr.startswith("tensorfold: error: ") and want in r.stderr, (args, r.stderr)
+        assert "internal error" not in r.stderr and "not found" not in r.stderr, (args, r.stderr)
+
+
+def test_gguf_is_a_core_dependency():
+    """calibrate and quantize write GGUF files through the gguf package: a plain install has it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    core = [re.split(r"[<>=!~ ]", d)[0] for d in project["dependencies"]]
+    assert "gguf" in core
+    assert "safetensors" in [re.split(r"[<>=!~ ]", d)[0] for d in project["optional-dependencies"]["convert"]]
+
+
+def test_symlink_loops_are_reported_as_such(tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    for args in (("info", str(a)), ("generate", str(a), "-p", "x"), ("plan", str(a)),
+                 ("quantize", str(a), "-o", str(tmp_path / "q.gguf"), "--target-bpw", "3"), ("pull", str(a))):
+        r = run_cli(*args)
+        assert r.returncode == 1 and _clean(r.stderr), (args, r.stderr)
+        assert "too many levels of symbolic links" in r.stderr and "not found" not in r.stderr, (args, r.stderr)
+    import tensorfold
+
+    with pytest.raises(OSError) as e:
+        tensorfold.Engine(str(a))
+    assert e.value.errno == __import__("errno").ELOOP and "too many levels of symbolic links" in str(e.value)
+
+
+def test_info_shows_large_sizes_in_gib(tmp_path, smollm2_path):
+    big = tmp_path / "big.gguf"
+    big.write_bytes(pathlib.Path(smollm2_path).read_bytes())
+    os.truncate(big, 217 * 2**30)  # sparse: no disk is used
+    r = run_cli("info", str(big))
+    assert r.returncode == 0, r.stderr
+    assert "size:          217.00 GiB (GGUF v3" in r.stdout, r.stdout
+    r = run_cli("info", smollm2_path)
+    size = os.path.getsize(smollm2_path)
+    assert f"size:          {size / 2**20:.1f} MiB" in r.stdout
+
+
+def test_info_describes_an_importance_matrix(tmp_path):
+    np = pytest.importorskip("numpy")
+    from tensorfold.calibrate import write_imatrix
+
+    stats = {f"blk.{i}.ffn_up.weight": (np.ones((1, 8)), np.array([64])) for i in range(3)}
+    path = tmp_path / "calib.gguf"
+    write_imatrix(str(path), stats, chunk_count=5, chunk_size=128, datasets=["calib.txt"])
+    r = run_cli("info", str(path))
+    assert r.returncode == 0 and _clean(r.stderr), r.stderr
+    assert "architecture: ?" not in r.stdout and "architecture:" not in r.stdout
+    assert "importance matrix (for `tensorfold quantize --calib`" in r.stdout, r.stdout
+    assert "3 entries" in r.stdout and "chunks:      5 of 128 tokens" in r.stdout and "calib.txt" in r.stdout
+
+
+def test_license_file_matches_the_declared_license():
+    root = pathlib.Path(__file__).parent.parent
+    text = (root / "LICENSE").read_text("utf-8")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert "Apache-2.0" in (root / "pyproject.toml").read_text("utf-8")

@@ -110,6 +110,9 @@ def test_python_generate_returns_logprobs_of_its_tokens(engine):
         assert [t for t, _ in lp.top] == list(np.argsort(-ref, kind="stable")[:3])
         assert all(abs(v - ref[t]) < TOL for t, v in lp.top)
     assert engine.generate(prompt, max_tokens=2, temperature=0, logprobs=0).logprobs[0].top == []
-    for bad in (-1, 21, 1.5, "3"):
+    for bad in (-1, 21):
         with pytest.raises(ValueError, match="logprobs"):
+            engine.generate(prompt, max_tokens=2, logprobs=bad)
+    for bad in (1.5, "3"):  # a wrong type
+        with pytest.raises(TypeError, match="logprobs"):
             engine.generate(prompt, max_tokens=2, logprobs=bad)

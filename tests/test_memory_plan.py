@@ -68,9 +68,9 @@ def test_over_budget_is_refused_before_allocation(smollm2_path):
     msg = r["error"]
     assert "memory plan of this engine exceeds its budget" in msg and "DOES NOT FIT" in msg
     assert "KV cache pool" in msg and "weights (this rank)" in msg and "safety margin" in msg
-    assert "the largest KV pool within the budget: kv_tokens" in msg
+    assert "the largest KV pool within the budget: kv_tokens=" in msg
     assert r["grew"] < 64 << 20, r["grew"]
-    suggested = int(msg.split("kv_tokens ")[-1].split()[0])
+    suggested = int(msg.split("kv_tokens=")[-1].split()[0])
     ok = _core.plan_memory(smollm2_path, kv_tokens=suggested, memory_budget=600 << 20)
     assert ok["fits"] and ok["kv_tokens"] == suggested
 
@@ -119,7 +119,109 @@ def test_budget_sizes(text, expected):
     assert parse_memory_budget(text) == expected
 
 
-@pytest.mark.parametrize("bad", [0, -5, "lots", "12XB", "-3GiB", "nanGiB", True, 1e30])
+@pytest.mark.parametrize("bad", [0, -5, "lots", "12XB", "-3GiB", "nanGiB", "-0.5t"])
 def test_bad_budget_sizes(bad):
     with pytest.raises(ValueError, match="memory_budget"):
         parse_memory_budget(bad)
+
+
+@pytest.mark.parametrize("bad", [True, 1e30, 1.5e9, b"1GiB", [1]])
+def test_budget_of_a_wrong_type_is_a_type_error(bad):
+    with pytest.raises(TypeError, match="memory_budget must be bytes"):
+        parse_memory_budget(bad)
+
+
+# ------------------------------------------------------------------ the plan on the command line
+
+
+def _plan(capsys, *args):
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_negative_budget_is_refused_as_such(smollm2_path, capsys):
+    """`--memory-budget -5GiB` is a negative size, not a missing argument; `=` works too."""
+    for args in (["--memory-budget", "-5GiB"], ["--memory-budget=-5GiB"], ["--memory-budget", "-0.5"]):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", smollm2_path, *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, err
+        assert "argument --memory-budget: must be a positive size, got '-" in err, err
+        assert "expected one argument" not in err
+    for args in (["--memory-budget", "lots"], ["--memory-budget=0"]):
+        with pytest.raises(SystemExit):
+            main(["plan", smollm2_path, *args])
+        assert "argument --memory-budget:" in capsys.readouterr().err
+
+
+def _sizes(table: str) -> dict[str, str]:
+    """The size column of a plan table: {line name: '92.1 MiB', ...}."""
+    out = {}
+    for line in table.splitlines():
+        m = __import__("re").match(r"  (\S.*?\S)\s{2,}(\d+(?:\.\d+)? (?:GiB|MiB|KiB|B))(?:\s|$)", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def test_plan_sizes_are_shown_in_a_unit_that_shows_them(smollm2_path, capsys):
+    rc, out, _ = _plan(capsys, smollm2_path, "--memory-budget", "1MiB")
+    sizes = _sizes(out)
+    p = _core.plan_memory(smollm2_path, memory_budget=1 << 20)
+    for name, key in (("weights (this rank)", "weights"), ("KV cache pool", "kv"), ("safety margin", "margin"),
+                      ("total", "total"), ("budget", "budget"), ("scratch + logits", "scratch")):
+        value, unit = sizes[name].split()
+        scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[unit]
+        assert float(value) > 0 and (unit == "B" or float(value) >= 1), sizes  # never "0.00 GiB"
+        assert abs(float(value) * scale - p[key]) <= 0.06 * scale, (name, sizes[name], p[key])
+    assert sizes["budget"] == "1.0 MiB"
+
+
+def test_plan_warns_about_a_context_above_the_trained_one(smollm2_path, capsys):
+    n_train = _core.plan_memory(smollm2_path, memory_budget=-1)["n_ctx_train"]
+    rc, out, err = _plan(capsys, smollm2_path, "-c", str(n_train + 8), "--memory-budget", "none")
+    assert rc == 0
+    assert f"tensorfold: warning: context {n_train + 8} is longer than the {n_train} tokens" in err, err
+    rc, out, err = _plan(capsys, smollm2_path, "-c", str(n_train), "--memory-budget", "none")
+    assert rc == 0 and "warning" not in err
+
+
+def test_plan_names_the_largest_context_that_fits(smollm2_path, capsys):
+    """When no pool of one full context fits, the plan says the largest -c that does, and that
+    one fits while one more block does not."""
+    budget = 800 << 20
+    rc, out, err = _plan(capsys, smollm2_path, "-c", "20000", "--memory-budget", "800MiB")
+    assert rc == 1 and "DOES NOT FIT" in out
+    m = __import__("re").search(r"the largest context that fits: -c (\d+) with --kv-tokens (\d+)", out)
+    assert m, out
+    c, kv = int(m.group(1)), int(m.group(2))
+    assert 2 <= c < 20000 and kv == (c + 15) // 16 * 16
+    assert _core.plan_memory(smollm2_path, context=c, kv_tokens=kv, memory_budget=budget)["fits"]
+    assert not _core.plan_memory(smollm2_path, context=c + 1, kv_tokens=(c + 16) // 16 * 16,
+                                 memory_budget=budget)["fits"]
+    assert "kv_tokens" not in out and "memory_budget" not in out  # the CLI's option names only
+    # nothing fits at all: said so
+    rc, out, _ = _plan(capsys, smollm2_path, "--memory-budget", "1MiB")
+    assert rc == 1 and "not even a context of 2 tokens fits" in out
+
+
+def test_plan_gives_one_limit_for_both_tp_ranks(capsys):
+    """With --tp 2 and no --rank, one limit that holds on both ranks (the smaller)."""
+    ctx = _core.plan_memory(DS2, tp=2, memory_budget=-1)["context"]
+    # a budget between what the two ranks need for a pool of one context: one rank fits, one not
+    need = sorted(_core.plan_memory(DS2, tp=2, rank=r, kv_tokens=ctx, memory_budget=-1)["total"] for r in (0, 1))
+    assert need[0] < need[1]
+    budget = (need[0] + need[1]) // 2
+    rc, out, _ = _plan(capsys, DS2, "--tp", "2", "--memory-budget", str(budget))
+    assert rc == 1
+    plans = [_core.plan_memory(DS2, tp=2, rank=r, memory_budget=budget) for r in (0, 1)]
+    limits = [p["context"] if p["max_kv_tokens"] else p["max_context"] for p in plans]
+    assert 0 in [p["max_kv_tokens"] for p in plans] and all(limits), plans
+    assert f"the largest context that fits on both: -c {min(limits)} --kv-tokens " in out, out
+    # roomy: the smaller of the two ranks' largest pools
+    rc, out, _ = _plan(capsys, DS2, "--tp", "2", "--memory-budget", "64GiB")
+    plans = [_core.plan_memory(DS2, tp=2, rank=r, memory_budget=64 << 30) for r in (0, 1)]
+    assert rc == 0
+    assert f"both ranks: the largest KV pool within each budget: --kv-tokens " \
+           f"{min(p['max_kv_tokens'] for p in plans)}" in out

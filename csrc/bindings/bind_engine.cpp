@@ -71,6 +71,8 @@ py::dict memory_plan_dict(const MemoryPlan& p) {
   d["budget_source"] = p.budget_source;
   d["fits"] = p.fits();
   d["max_kv_tokens"] = p.max_kv_tokens;
+  d["max_context"] = p.max_context;
+  d["n_ctx_train"] = p.n_ctx_train;
   d["table"] = p.table();
   return d;
 }

@@ -14,9 +14,18 @@
 namespace tf {
 
 namespace {
-std::string gib(uint64_t b) {
+// A size in the unit that shows it: GiB from 1 GiB, MiB from 1 MiB, KiB from 1 KiB, else bytes.
+std::string human(uint64_t b) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(uint64_t(1) << 30));
+  const double d = double(b);
+  if (b >= (uint64_t(1) << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", d / double(uint64_t(1) << 30));
+  else if (b >= (uint64_t(1) << 20))
+    std::snprintf(buf, sizeof buf, "%.1f MiB", d / double(uint64_t(1) << 20));
+  else if (b >= 1024)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", d / 1024.0);
+  else
+    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(b));
   return buf;
 }
 
@@ -61,11 +70,11 @@ uint64_t available_memory_bytes() {
 EngineGeometry resolve_geometry(const ModelConfig& c, const EngineOptions& opts) {
   EngineGeometry g;
   g.context = opts.context > 0 ? opts.context : std::min<int64_t>(c.n_ctx_train > 0 ? c.n_ctx_train : 4096, 8192);
-  TF_CHECK(g.context >= 2 && g.context <= Engine::kMaxContext, "context = ", g.context, " is out of range (2..",
-           Engine::kMaxContext, ")");
+  TF_CHECK(g.context >= 2 && g.context <= Engine::kMaxContext, "context must be an integer in [2, ",
+           Engine::kMaxContext, "], got ", g.context);
   const int64_t kv_tokens = opts.kv_tokens > 0 ? opts.kv_tokens : std::max<int64_t>(g.context, 4096);
   if (kv_tokens < g.context)
-    fail(ErrorKind::InvalidInput, "kv_tokens (", kv_tokens, ") must be at least the context (", g.context,
+    fail(ErrorKind::InvalidInput, "kv_tokens=", kv_tokens, " must be at least the context (context=", g.context,
          ") so that one full-length sequence fits; raise kv_tokens or lower context");
   g.kv_tokens = (kv_tokens + kKvBlockSize - 1) / kKvBlockSize * kKvBlockSize;
   // A bigger step budget only costs scratch memory: no step needs more than the context.
@@ -74,26 +83,45 @@ EngineGeometry resolve_geometry(const ModelConfig& c, const EngineOptions& opts)
   return g;
 }
 
-MemoryPlan plan_memory(LlamaModel& model, const EngineGeometry& g, const EngineOptions& opts) {
+namespace {
+// Every line of the plan but the budget, for geometry `g`.
+void size_plan(MemoryPlan& p, LlamaModel& model, const EngineGeometry& g, const EngineOptions& opts) {
   const ModelConfig& c = model.config();
-  MemoryPlan p;
-  p.tp_size = opts.tp.size;
-  p.tp_rank = opts.tp.rank;
   p.context = g.context;
   p.kv_tokens = g.kv_tokens;
   p.max_batch_tokens = g.max_batch_tokens;
   p.kv_bytes_per_token = PagedKvCache::bytes_per_token(c.n_layer, model.kv_layout(), opts.kv_type);
   p.weights = model.weight_bytes();
   // The prefix cache's index (rank 0 only: a follower caches nothing) grows with the pool.
+  p.index_bytes_per_block = 0;
   if (opts.prefix_cache && opts.tp.rank == 0) p.index_bytes_per_block = PrefixCache::bytes_per_block(kKvBlockSize);
   p.kv = p.kv_bytes_per_token * uint64_t(g.kv_tokens) + p.index_bytes_per_block * uint64_t(g.kv_tokens / kKvBlockSize);
   const uint64_t logits = uint64_t(kMaxLogitRows) * uint64_t(c.n_vocab) * sizeof(float);
   p.scratch = model.reserve(g.max_batch_tokens, g.context, 1, /*count_only=*/true) + logits;
+  p.comm = 0;
   if (p.tp_size > 1)  // send/receive buffers of the All-Reduce (per rail) and the logits broadcast
     p.comm = 4 * uint64_t(g.max_batch_tokens) * uint64_t(c.n_embd) * sizeof(float) + logits;
   // Allocator slack, thread stacks and the runtime around the engine: 2% of the large
   // allocations, at least 256 MiB.
   p.margin = std::max<uint64_t>(uint64_t(256) << 20, (p.weights + p.kv) / 50);
+}
+
+// The geometry of a context of `ctx` tokens with a pool of just that context.
+EngineGeometry geometry_for(int64_t ctx, const EngineOptions& opts) {
+  EngineGeometry g;
+  g.context = ctx;
+  g.kv_tokens = (ctx + kKvBlockSize - 1) / kKvBlockSize * kKvBlockSize;
+  g.max_batch_tokens = int(std::min<int64_t>({int64_t(opts.max_batch_tokens), int64_t(Engine::kMaxBatchTokens), ctx}));
+  return g;
+}
+}  // namespace
+
+MemoryPlan plan_memory(LlamaModel& model, const EngineGeometry& g, const EngineOptions& opts) {
+  MemoryPlan p;
+  p.tp_size = opts.tp.size;
+  p.tp_rank = opts.tp.rank;
+  p.n_ctx_train = model.config().n_ctx_train;
+  size_plan(p, model, g, opts);
   if (opts.memory_budget > 0) {
     p.budget = uint64_t(opts.memory_budget);
     p.budget_source = "memory_budget";
@@ -107,6 +135,26 @@ MemoryPlan plan_memory(LlamaModel& model, const EngineGeometry& g, const EngineO
       const uint64_t per_block = p.kv_bytes_per_token * kKvBlockSize + p.index_bytes_per_block;
       const int64_t tokens = int64_t((p.budget - fixed) / per_block) * kKvBlockSize;
       p.max_kv_tokens = tokens >= g.context ? tokens : 0;
+    }
+    if (p.max_kv_tokens == 0) {
+      // No pool of one full context fits: the largest context that does (with a pool of just
+      // that context). Every line grows with the context, so a bisection finds it.
+      auto fits = [&](int64_t ctx) {
+        MemoryPlan q = p;
+        size_plan(q, model, geometry_for(ctx, opts), opts);
+        return q.total() <= p.budget;
+      };
+      int64_t lo = 2, hi = g.context - 1;  // g.context itself does not fit
+      if (hi >= lo && fits(lo)) {
+        while (lo < hi) {
+          const int64_t mid = lo + (hi - lo + 1) / 2;
+          if (fits(mid))
+            lo = mid;
+          else
+            hi = mid - 1;
+        }
+        p.max_context = lo;
+      }
     }
   }
   return p;
@@ -124,8 +172,9 @@ MemoryPlan plan_memory(const std::shared_ptr<GgufFile>& file, const EngineOption
 std::string MemoryPlan::table() const {
   std::ostringstream os;
   auto row = [&](const char* what, uint64_t b, const std::string& note) {
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "  %-22s %12s   %s\n", what, gib(b).c_str(), note.c_str());
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "  %-22s %12s%s%s\n", what, human(b).c_str(), note.empty() ? "" : "   ",
+                  note.c_str());
     os << buf;
   };
   os << "memory plan (TP rank " << tp_rank << " of " << tp_size << "):\n";
@@ -140,10 +189,16 @@ std::string MemoryPlan::table() const {
   if (budget > 0) {
     row("budget", budget, budget_source);
     os << (fits() ? "  fits" : "  DOES NOT FIT");
-    if (max_kv_tokens > 0)
-      os << "; the largest KV pool within the budget: kv_tokens " << max_kv_tokens;
-    else
+    if (max_kv_tokens > 0) {
+      os << "; the largest KV pool within the budget: kv_tokens=" << max_kv_tokens;
+    } else {
       os << "; no KV pool of at least one full context (" << context << " tokens) fits";
+      if (max_context > 0)
+        os << "; the largest context that fits: context=" << max_context << " with kv_tokens="
+           << (max_context + kKvBlockSize - 1) / kKvBlockSize * kKvBlockSize;
+      else
+        os << "; not even a context of 2 tokens fits (the weights, scratch and margin alone exceed the budget)";
+    }
     os << "\n";
   } else {
     os << "  no budget\n";

@@ -35,6 +35,10 @@ struct MemoryPlan {
   uint64_t budget = 0;   // 0: no budget known
   std::string budget_source;  // "--memory-budget", "available memory", ...
   int64_t max_kv_tokens = 0;  // the largest pool (whole blocks, >= context) within the budget; 0: none
+  // When no pool of one full context fits (max_kv_tokens == 0): the largest context that fits
+  // with a pool of just that context (kv_tokens = context, whole blocks); 0: none, or not needed.
+  int64_t max_context = 0;
+  int64_t n_ctx_train = 0;  // the model's trained context (its context_length)
 
   uint64_t total() const { return weights + kv + scratch + comm + margin; }
   bool fits() const { return budget == 0 || total() <= budget; }

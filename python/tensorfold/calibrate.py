@@ -48,6 +48,30 @@ class ImatrixError(ValueError):
     """A file that is not a readable importance matrix; the message says why."""
 
 
+def missing_module_error(module: str, needed_for: str, extra: str | None = None) -> RuntimeError | None:
+    """None when `module` can be imported; else the error that says which package (or extra of
+    tensorfold) to install for `needed_for`."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(module) is not None:
+            return None
+    except (ImportError, ValueError):  # e.g. sys.modules[module] is None
+        pass
+    how = (f"the '{extra}' extra: pip install 'tensorfold[{extra}]'" if extra
+           else f"the '{module}' package: pip install {module} (a dependency of tensorfold; reinstalling it "
+                f"installs it too)")
+    return RuntimeError(f"{needed_for} needs {how}")
+
+
+def check_dependencies() -> None:
+    """What `tensorfold calibrate` needs beyond the core, checked before the model loads: the
+    gguf package writes the importance matrix."""
+    err = missing_module_error("gguf", "tensorfold calibrate (writing the importance matrix)")
+    if err is not None:
+        raise err
+
+
 @dataclass
 class CalibrationResult:
     path: str | None           # where it was written (None: not written)
@@ -158,6 +182,7 @@ def calibrate(model, text_path: str, out_path: str, *, ctx: int = 512, max_chunk
     from .engine import Engine
     from .evaluate import read_text
 
+    check_dependencies()
     raw, text = read_text(text_path)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(out_dir):
@@ -188,7 +213,12 @@ def load_imatrix(path: str, n_mat: dict[str, int] | None = None) -> dict[str, tu
     of n_head * in_dim sums with one count; such an entry is split into n_mat rows, the count
     repeated. Entries that do not split evenly are left as stored.
     Raises FileNotFoundError, or ImatrixError (a ValueError) for a file that is not one."""
+    from .engine import path_error
+
     path = os.fspath(path)
+    err = path_error(path, "importance matrix")
+    if err is not None:
+        raise err
     if not os.path.exists(path):
         raise FileNotFoundError(f"importance matrix {path} not found")
     if os.path.isdir(path):

@@ -26,7 +26,13 @@ import time
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-__all__ = ["render_chat", "validate_messages", "DEFAULT_CHATML_TEMPLATE", "TemplateError"]
+__all__ = ["render_chat", "validate_messages", "check_role", "check_roles", "ROLES", "DEFAULT_CHATML_TEMPLATE",
+           "TemplateError"]
+
+# The roles a chat message may have (OpenAI's chat API's). "developer" is OpenAI's newer name
+# for "system"; templates see it as "system". check_role/check_roles are the one check of
+# message roles, used by Engine (messages=...) and the HTTP server alike.
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 # Used when a GGUF carries no tokenizer.chat_template.
 DEFAULT_CHATML_TEMPLATE = (
@@ -588,6 +594,30 @@ def _compile(template: str):
         raise TemplateError(f"chat template could not be compiled: {e}") from e
     except RecursionError as e:
         raise TemplateError("chat template is nested too deeply to compile") from e
+
+
+def check_role(role: Any, where: str = "role") -> str:
+    """The role a chat template sees for a message's `role`: one of ROLES, with "developer"
+    given as "system". Anything else raises ValueError naming the valid roles, e.g.
+    "messages[2].role must be one of ['assistant', 'developer', 'system', 'tool', 'user'],
+    got 'wizard'" (`where` names the field)."""
+    if not isinstance(role, str) or role not in ROLES:
+        raise ValueError(f"{where} must be one of {sorted(ROLES)}, got {role!r}")
+    return "system" if role == "developer" else role
+
+
+def check_roles(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """`messages` with every role checked by check_role (as messages[i].role) and "developer"
+    given as "system"; messages that are not mappings are left to validate_messages. Returns
+    a new list (the dicts are copied only where a role changes)."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, Mapping):
+            role = check_role(m.get("role"), f"messages[{i}].role")
+            if role != m.get("role"):
+                m = dict(m, role=role)
+        out.append(m)
+    return out
 
 
 def validate_messages(messages: Any) -> list[dict]:

@@ -4,12 +4,79 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
 import warnings
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _INT32_MAX = 2**31 - 1
+# The engine's limits (tensorfold.engine.MAX_CONTEXT / MAX_KV_TOKENS, here without importing it).
+_MAX_CONTEXT = 2**24
+_MAX_KV_TOKENS = 2**30
+
+
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    """'1 token', '2 tokens'."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def print_error(message: str) -> None:
+    """How every command reports a user's mistake: one line on stderr."""
+    print(f"tensorfold: error: {message}", file=sys.stderr)
+
+
+# Messages from the engine name its Python keyword arguments; the command line shows the
+# options that set them. Options of the commands with the engine options (-c, --kv-tokens,
+# --memory-budget), then of eval/calibrate/quantize (--ctx only).
+_ENGINE_OPTIONS = (
+    (r"lower kv_tokens, context or max_batch_tokens, or raise memory_budget",
+     "lower --kv-tokens or -c/--context, or raise --memory-budget"),
+    (r"lower max_batch_tokens, kv_tokens or context", "lower --kv-tokens or -c/--context"),
+    (r"\bkv_tokens=(\d+)", r"--kv-tokens \1"),
+    (r"\bcontext=(\d+)", r"-c \1"),
+    (r"\bthreads=(\d+)", r"-t \1"),
+    (r"\bkv_tokens\b", "--kv-tokens"),
+    (r"\bmemory_budget\b", "--memory-budget"),
+    (r"\bmax_batch_tokens\b", "--max-batch-tokens"),
+    (r"\b(raise|lower) (--kv-tokens|--memory-budget) or (lower|raise) context\b", r"\1 \2 or \3 -c/--context"),
+    (r"\blower (--kv-tokens) or context\b", r"lower \1 or -c/--context"),
+)
+_CTX_OPTIONS = (
+    (r"lower kv_tokens, context or max_batch_tokens, or raise memory_budget", "lower --ctx or free some memory"),
+    (r"lower max_batch_tokens, kv_tokens or context", "lower --ctx"),
+    (r"\b(kv_tokens|context)=(\d+)", r"--ctx \2"),
+    (r"\bthreads=(\d+)", r"-t \1"),
+    (r"\blower kv_tokens or context\b", "lower --ctx"),
+    (r"\b(raise kv_tokens or lower context)\b", "lower --ctx"),
+)
+_CTX_COMMANDS = ("eval", "calibrate", "quantize")
+_ENGINE_COMMANDS = ("chat", "generate", "serve", "worker", "plan")
+
+
+def cli_names(text: str, command: str | None) -> str:
+    """`text` (an engine message) with the command's option names in place of the engine's
+    keyword arguments: kv_tokens -> --kv-tokens, context=N -> -c N, memory_budget ->
+    --memory-budget, ... (eval/calibrate/quantize: --ctx)."""
+    rules = (_CTX_OPTIONS if command in _CTX_COMMANDS else _ENGINE_OPTIONS if command in _ENGINE_COMMANDS
+             else ())
+    for pattern, repl in rules:
+        text = re.sub(pattern, repl, text)
+    return text
+
+
+def _renamed(e: BaseException, command: str | None) -> BaseException:
+    """`e`, or one of its type whose message names the command's options (see cli_names)."""
+    msg = cli_names(str(e), command)
+    if msg == str(e):
+        return e
+    try:
+        new = type(e)(msg)
+    except Exception:  # an exception type that does not take a message alone
+        return e
+    if isinstance(e, OSError):
+        new.errno = e.errno
+    return new
 
 
 # -- argument types: bad values are refused before the model loads, naming the valid range --
@@ -40,6 +107,17 @@ def _number_in(lo: float, hi: float = math.inf, lo_open: bool = False):
     return parse
 
 
+def _budget(s: str) -> str:
+    """--memory-budget: a size such as 120GiB, 'auto' or 'none' (checked here, passed on as text)."""
+    from .engine import parse_memory_budget
+
+    try:
+        parse_memory_budget(s)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e).replace("memory_budget ", "", 1)) from None
+    return s
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes are one line, like every other error of the command."""
 
@@ -62,14 +140,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=None,
                    help="TP: shared secret both ranks must give; only a peer that knows it is admitted "
                         "(default: $TENSORFOLD_TP_TOKEN, which keeps it out of the process list)")
-    p.add_argument("-c", "--context", type=_int_in(1), default=None,
+    p.add_argument("-c", "--context", type=_int_in(2, _MAX_CONTEXT), default=None,
                    help="context length per sequence (default: the model's, at most 8192)")
-    p.add_argument("--kv-tokens", type=_int_in(1), default=None,
+    p.add_argument("--kv-tokens", type=_int_in(1, _MAX_KV_TOKENS), default=None,
                    help="KV cache pool size in tokens (default: enough for the context)")
-    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+    p.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
                    help="memory this machine may give the engine, e.g. 120GiB (default: the memory "
                         "available now; 'none': no check). A plan over it is refused before loading, "
-                        "naming the largest --kv-tokens that fits; see `tensorfold plan`")
+                        "naming the largest --kv-tokens (or -c) that fits; see `tensorfold plan`")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -143,13 +221,17 @@ def _load(a: argparse.Namespace, model: str):
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=0,
-                     peer=a.peer, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
-                     token=a.token, memory_budget=a.memory_budget, transport=a.transport,
-                     load_timeout=a.load_timeout)
+        try:
+            eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=0,
+                         peer=a.peer, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
+                         token=a.token, memory_budget=a.memory_budget, transport=a.transport,
+                         load_timeout=a.load_timeout)
+        except (ValueError, MemoryError, OSError, RuntimeError) as e:
+            # The command's option names wherever this is reported (serve loads in the background).
+            raise _renamed(e, a.command) from None
     for w in caught:  # e.g. a context above the trained one: one line, not a source listing
-        print(f"tensorfold: warning: {w.message}", file=sys.stderr)
-    print(f"loaded {os.path.basename(eng.path)} ({eng.config['summary']}) on {eng.threads} threads "
+        print(f"tensorfold: warning: {cli_names(str(w.message), a.command)}", file=sys.stderr)
+    print(f"loaded {os.path.basename(eng.path)} ({eng.config['summary']}) on {_n(eng.threads, 'thread')} "
           f"in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
     return eng
 
@@ -164,9 +246,9 @@ def _fit_context(eng, history: list[dict], n_system: int, reserve: int) -> bool:
         return True
     alone = len(eng._prompt_ids(None, history[:n_system] + history[-1:]))
     if alone > budget:
-        print(f"(that message is too long: {alone} tokens{' with the system prompt' if n_system else ''}, "
-              f"but the context holds {eng.context} and {reserve} are kept for the reply; it was not sent, "
-              f"the conversation is unchanged)", file=sys.stderr)
+        print(f"(that message is too long: {_n(alone, 'token')}{' with the system prompt' if n_system else ''}, "
+              f"but the context holds {eng.context} and {reserve} {'is' if reserve == 1 else 'are'} kept for the "
+              f"reply; it was not sent, the conversation is unchanged)", file=sys.stderr)
         return False
     dropped = 0
     while n > budget and len(history) > n_system + 1:
@@ -179,12 +261,49 @@ def _fit_context(eng, history: list[dict], n_system: int, reserve: int) -> bool:
     return True
 
 
+# A terminal in its ordinary (canonical) mode hands a program at most this many bytes of one
+# line (Linux's N_TTY_BUF_SIZE - 1) and drops the rest of a longer one without a word.
+_TTY_LINE_MAX = 4095
+
+
+def _line_editor() -> bool:
+    """When you chat in a terminal: Python's readline edits the line (arrow keys, Home/End,
+    history of this session with Up/Down) and reads it in raw mode, so a long paste is not cut
+    at the terminal's line limit; with bracketed paste a multi-line paste is one message.
+    True when input() uses it."""
+    try:
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            return False
+    except (AttributeError, ValueError, OSError):
+        return False
+    try:
+        import readline
+    except ImportError:
+        return False
+    try:
+        if "libedit" not in (readline.__doc__ or ""):
+            readline.parse_and_bind("set enable-bracketed-paste on")
+            readline.parse_and_bind("tab: tab-insert")  # a tab is text here, not completion
+    except Exception:  # an old or unusual readline: line editing still works without these
+        pass
+    return True
+
+
+def _stdin_is_tty() -> bool:
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def cmd_chat(a: argparse.Namespace) -> int:
     from .tokenizer import clean_text
 
     if sys.stdin is None:
         raise ValueError("chat reads your messages from stdin, which is closed")
     eng = _load(a, a.model or DEFAULT_MODEL)
+    # In a terminal without a line editor a long line may have been cut: said, never silent.
+    line_limited = _stdin_is_tty() and not _line_editor()
     if not eng.chat_template:
         print("note: the model has no chat template; using ChatML", file=sys.stderr)
     history: list[dict] = []
@@ -200,6 +319,11 @@ def cmd_chat(a: argparse.Namespace) -> int:
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
+        n_bytes = len(line.encode("utf-8", "surrogatepass")) if line_limited else 0
+        if n_bytes >= _TTY_LINE_MAX:
+            print(f"(note: that line is {_n(n_bytes, 'byte')}, as many as a terminal passes on in one line "
+                  f"without a line editor: the terminal may have cut it. To send long text whole, pipe it in: "
+                  f"tensorfold chat MODEL < message.txt)", file=sys.stderr)
         msg = clean_text(line).strip()
         if not msg:
             continue
@@ -218,11 +342,13 @@ def cmd_chat(a: argparse.Namespace) -> int:
         pieces: list[str] = []
         interrupted = False
         n0 = eng.stats()["generated_tokens"]
+        stream = None
         try:
             if not _fit_context(eng, history, n_system, reserve):
                 history.pop()
                 continue
-            for piece in eng.stream(messages=history, **_sampling(a)):
+            stream = eng.stream(messages=history, **_sampling(a))
+            for piece in stream:
                 if first is None:
                     first = time.perf_counter()
                 pieces.append(piece)
@@ -245,7 +371,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
         print()
         if interrupted:
             print("(interrupted; the partial reply is kept)", file=sys.stderr)
-        print(f"[{n} tokens, {n / dt if dt > 0 and n > 1 else 0:.1f} tok/s, "
+        elif getattr(stream, "finish_reason", None) == "length":
+            print(f"(reply cut at --max-tokens {a.max_tokens}; raise -n for longer replies)", file=sys.stderr)
+        print(f"[{_n(n, 'token')}, {n / dt if dt > 0 and n > 1 else 0:.1f} tok/s, "
               f"first token {((first or t0) - t0) * 1000:.0f} ms]", file=sys.stderr)
         history.append({"role": "assistant", "content": reply})
 
@@ -255,15 +383,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
     prompt = _arg_text(a.prompt) if a.prompt is not None else _read_stdin()
     stop = [_arg_text(s) for s in a.stop] if a.stop else None
     t0 = time.perf_counter()
-    for piece in eng.stream(prompt, stop=stop, ignore_eos=a.ignore_eos, **_sampling(a)):
+    ids = eng.tokenize(prompt)  # what stream(prompt) would use: counted here, also when nothing runs
+    for piece in eng.stream(ids, stop=stop, ignore_eos=a.ignore_eos, **_sampling(a)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     print()
     st = eng.stats()
     n = st["generated_tokens"]
-    print(f"[prompt {st['prompt_tokens']} tokens at "
-          f"{st['prompt_tokens'] / st['prefill_seconds'] if st['prefill_seconds'] else 0:.1f} tok/s, "
-          f"generated {n} tokens at {max(n - 1, 0) / st['decode_seconds'] if st['decode_seconds'] else 0:.1f} tok/s, "
+    if st["prompt_tokens"]:  # the engine's count of what it prefilled
+        prompt_part = (f"prompt {_n(len(ids), 'token')} at "
+                       f"{st['prompt_tokens'] / st['prefill_seconds'] if st['prefill_seconds'] else 0:.1f} tok/s")
+    else:  # -n 0: the prompt was not run at all
+        prompt_part = f"prompt {_n(len(ids), 'token')} (not run: nothing to generate)"
+    print(f"[{prompt_part}, generated {_n(n, 'token')} at "
+          f"{max(n - 1, 0) / st['decode_seconds'] if st['decode_seconds'] else 0:.1f} tok/s, "
           f"{time.perf_counter() - t0:.2f}s]", file=sys.stderr)
     return 0
 
@@ -293,17 +426,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return server.serve(model_name=a.model_name or _model_name(model), loader=lambda: _load(a, model),
                         host=a.host, port=a.port, api_key=api_key or None, max_body_bytes=a.max_body_bytes,
                         max_prompt_tokens=a.max_prompt_tokens, max_running=a.max_running,
-                        max_queue=a.max_queue, log_level=a.log_level)
+                        max_queue=a.max_queue, log_level=a.log_level, header_timeout=a.header_timeout,
+                        keep_alive=a.keep_alive, max_connections=a.max_connections,
+                        exit_on_failure=not a.no_exit_on_failure)
 
 
 def cmd_worker(a: argparse.Namespace) -> int:
-    from .engine import Engine
+    from .engine import Engine, resolve_model
 
     if a.rank != 1:
-        print("tensorfold: error: the worker is rank 1 (rank 0 is chat/generate/Python with tp=2)", file=sys.stderr)
+        print_error("the worker is rank 1 (rank 0 is chat/generate/Python with tp=2)")
         return 2
+    model = resolve_model(a.model)  # a path or a known name, as rank 0 takes it; before any waiting
     print(f"worker: waiting for rank 0 on {a.listen} ...", file=sys.stderr)
-    eng = Engine(a.model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=1,
+    eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=1,
                  peer=a.listen, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
                  token=a.token, memory_budget=a.memory_budget,
                  transport=a.transport, wait=a.wait, load_timeout=a.load_timeout)
@@ -336,50 +472,86 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from .calibrate import calibrate
+    from .calibrate import calibrate, check_dependencies
 
+    check_dependencies()  # before the model loads and the text is measured
     r = calibrate(a.model, a.text, a.output, ctx=a.ctx, max_chunks=a.chunks, threads=a.threads,
                   progress=not a.quiet)
     n_mat = len({id(v[0]) for v in r.stats.values()})
-    print(f"wrote {r.path}: {len(r.stats)} weights ({n_mat} distinct inputs), {r.tokens} tokens in {r.chunks} "
-          f"chunks of {r.ctx}, {r.seconds:.1f} s ({r.tokens / max(r.seconds, 1e-9):.0f} tokens/s)")
+    print(f"wrote {r.path}: {_n(len(r.stats), 'weight')} ({_n(n_mat, 'distinct input')}), {_n(r.tokens, 'token')} "
+          f"in {_n(r.chunks, 'chunk')} of {r.ctx}, {r.seconds:.1f} s ({r.tokens / max(r.seconds, 1e-9):.0f} tokens/s)")
     for name, n in sorted(r.unused_experts.items()):
         n_all = len(r.stats[name][1])
-        print(f"warning: {name}: {n} of {n_all} experts got no calibration token (a longer or more varied text "
-              f"covers them; the quantizer weighs them uniformly)", file=sys.stderr)
+        them = "it" if n == 1 else "them"
+        print(f"warning: {name}: {n} of {_n(n_all, 'expert')} got no calibration token (a longer or more varied "
+              f"text covers {them}; the quantizer weighs {them} uniformly)", file=sys.stderr)
     return 0
 
 
 def cmd_quantize(a: argparse.Namespace) -> int:
-    from .quantize import quantize
+    from .info import human_size
+    from .pull import known_models
+    from .quantize import check_dependencies, quantize
 
     def echo(*args, file=None):
         print(*args, file=file or sys.stdout, flush=True)
 
-    r = quantize(a.input, a.output, target_bpw=a.target_bpw, calib=a.calib, keep=a.keep,
+    check_dependencies(a.input)  # what this input needs, before anything is loaded or measured
+    src = a.input
+    if not os.path.lexists(src) and src in known_models():  # a known model's name, as the other commands take
+        from .engine import resolve_model
+
+        src = resolve_model(src)
+    r = quantize(src, a.output, target_bpw=a.target_bpw, calib=a.calib, keep=a.keep,
                  candidates=a.types.split(",") if a.types else None, threads=a.threads, sample=a.sample,
                  eval_text=a.eval, eval_ctx=a.ctx, eval_chunks=a.eval_chunks, probe_text=a.probe_text,
                  probe_chunks=a.probe_chunks, probe_layer_bands=a.probe_layers, dry_run=a.dry_run,
                  progress=not a.quiet, echo=echo)
     if not a.dry_run:
-        print(f"wrote {r.path}: {r.nbytes / 2**20:.1f} MiB of tensors, {r.bpw:.3f} bits per weight")
+        print(f"wrote {r.path}: {human_size(r.nbytes)} of tensors, {r.bpw:.3f} bits per weight")
     return 0
+
+
+def _pool(context: int) -> int:
+    """The KV pool of just one context: whole blocks of 16 tokens."""
+    return (context + 15) // 16 * 16
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
     from . import _core
-    from .engine import parse_memory_budget, resolve_model
+    from .engine import context_warning, parse_memory_budget, resolve_model
 
     path = resolve_model(a.model)
     ranks = range(a.tp) if a.rank is None else [a.rank]
-    fits = True
+    plans = []
     for r in ranks:
         p = _core.plan_memory(path, context=a.context or 0, kv_tokens=a.kv_tokens or 0,
                               max_batch_tokens=a.max_batch_tokens, kv_type=a.kv_type, tp=a.tp, rank=r,
                               memory_budget=parse_memory_budget(a.memory_budget))
-        print(p["table"], end="")
-        fits = fits and p["fits"]
-    print(f"context {p['context']} tokens per sequence; KV {p['kv_bytes_per_token']} bytes per token "
+        print(cli_names(p["table"], "plan"), end="")
+        plans.append(p)
+    fits = all(p["fits"] for p in plans)
+    p = plans[-1]
+    if len(plans) > 1 and all(q["budget"] for q in plans):
+        # One limit that holds for both ranks (they must run with the same options).
+        if all(q["max_kv_tokens"] for q in plans):
+            print(f"both ranks: the largest KV pool within each budget: --kv-tokens "
+                  f"{min(q['max_kv_tokens'] for q in plans)}")
+        else:
+            # A rank that fits a full context fits every shorter one too.
+            limits = [q["context"] if q["max_kv_tokens"] else q["max_context"] for q in plans]
+            short = " and ".join(f"rank {q['tp_rank']}" for q in plans if not q["max_kv_tokens"])
+            if all(limits):
+                c = min(limits)
+                print(f"both ranks: no KV pool of one full context ({p['context']} tokens) fits on {short}; "
+                      f"the largest context that fits on both: -c {c} --kv-tokens {_pool(c)}")
+            else:
+                print("both ranks: not even a context of 2 tokens fits on "
+                      + " and ".join(f"rank {q['tp_rank']}" for q, lim in zip(plans, limits) if not lim))
+    warn = context_warning(p["context"], p.get("n_ctx_train", 0), os.path.basename(path))
+    if warn:
+        print(f"tensorfold: warning: {warn}", file=sys.stderr)
+    print(f"context {_n(p['context'], 'token')} per sequence; KV {_n(p['kv_bytes_per_token'], 'byte')} per token "
           f"({a.kv_type}); `tensorfold chat/serve` with these options "
           + ("starts" if fits else "is refused before loading"))
     return 0 if fits else 1
@@ -477,11 +649,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-running", type=_int_in(1, 4096), default=32,
                    help="requests generated together at most; later ones wait (default 32)")
     s.add_argument("--max-queue", type=_int_in(0, 1_000_000), default=64,
-                   help="waiting requests at most; beyond, new requests get 429 (default 64)")
+                   help="waiting requests at most (not counting those the next engine step admits); beyond, "
+                        "new requests get 429 (default 64)")
     s.add_argument("--max-body-bytes", type=_int_in(1, 2**40), default=8 * 2**20,
                    help="largest request body accepted; larger ones get 413 (default 8 MiB)")
     s.add_argument("--max-prompt-tokens", type=_int_in(1), default=None,
                    help="longest prompt accepted in tokens; longer ones get 400 (default: the context minus one)")
+    s.add_argument("--header-timeout", type=_number_in(0, lo_open=True), default=10.0, metavar="S",
+                   help="seconds a connection may take to send a complete request head (from connecting or from "
+                        "its previous response), and the longest pause while a request body arrives (408); "
+                        "slower connections are closed (default 10)")
+    s.add_argument("--keep-alive", type=_number_in(0, lo_open=True), default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    s.add_argument("--max-connections", type=_int_in(1, 1_000_000), default=1024,
+                   help="open connections at most; one more closes the connection that has waited longest for "
+                        "a request (default 1024)")
+    s.add_argument("--no-exit-on-failure", action="store_true",
+                   help="when the engine fails while serving (e.g. the model file changed under it), keep the "
+                        "process up answering 503 instead of exiting with status 1 for a supervisor to restart it")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log level (default info; debug also logs every request)")
     _add_engine_args(s)
@@ -491,17 +676,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Runs TP rank 1 of a two-machine model: listens on --listen, holds half "
                                    "of every layer, and follows rank 0 (tensorfold chat/generate/serve or "
                                    "Python with tp=2, rank=0, peer=HOST:PORT) until it finishes.")
-    w.add_argument("model", help="GGUF path (the same file as rank 0)")
+    w.add_argument("model", help="GGUF path or known model name (the same file as rank 0)")
     w.add_argument("--rank", type=int, default=1, help="TP rank of this machine: must be 1")
     w.add_argument("--listen", required=True, help="HOST:PORT to accept rank 0 on")
-    w.add_argument("--kv-tokens", type=_int_in(1), default=None,
+    w.add_argument("--kv-tokens", type=_int_in(1, _MAX_KV_TOKENS), default=None,
                    help="KV cache pool size in tokens (the same as rank 0)")
-    w.add_argument("-c", "--context", type=_int_in(1), default=None,
+    w.add_argument("-c", "--context", type=_int_in(2, _MAX_CONTEXT), default=None,
                    help="context length per sequence (the same as rank 0)")
     w.add_argument("-t", "--threads", type=_int_in(1), default=None,
                    help="worker threads (default: the CPUs this process may use)")
     w.add_argument("--tp", type=int, default=2, choices=(2,), help="tensor parallel size: must be 2")
-    w.add_argument("--memory-budget", default=None, metavar="SIZE",
+    w.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
                    help="memory this machine may give the worker, e.g. 120GiB (default: the memory available "
                         "now; 'none': no check); checked before connecting or loading")
     w.add_argument("--rails", default=None, help="this machine's address on each link, comma-separated")
@@ -539,7 +724,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "any calibration text)")
     ev.add_argument("--ctx", type=_int_in(4, 8192), default=512, help="tokens per chunk (default 512)")
     ev.add_argument("--chunks", type=_int_in(1), default=None, help="evaluate at most this many chunks")
-    ev.add_argument("-t", "--threads", type=_int_in(1), default=None, help="worker threads (default: all CPUs)")
+    ev.add_argument("-t", "--threads", type=_int_in(1), default=None,
+                    help="worker threads (default: the CPUs this process may use)")
     ev.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     ev.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)
@@ -570,7 +756,8 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--ctx", type=_int_in(4, 8192), default=512, help="tokens per chunk (default 512)")
     cb.add_argument("--chunks", type=_int_in(1), default=None, help="use at most this many chunks (default: all "
                                                                      "whole chunks of the text)")
-    cb.add_argument("-t", "--threads", type=_int_in(1), default=None, help="worker threads (default: all CPUs)")
+    cb.add_argument("-t", "--threads", type=_int_in(1), default=None,
+                    help="worker threads (default: the CPUs this process may use)")
     cb.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     cb.set_defaults(func=cmd_calibrate)
 
@@ -592,8 +779,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "--calib calib.gguf\n"
                                "  tensorfold quantize hf_dir/ -o model.gguf --target-bpw 4.5 --keep "
                                "'token_embd=Q8_0' --eval eval.txt")
-    qz.add_argument("input", help="F16/BF16/F32 GGUF (quantized tensors are dequantized first, with a warning) "
-                                  "or a Hugging Face checkpoint directory")
+    qz.add_argument("input", help="F16/BF16/F32 GGUF or known model name (quantized tensors are dequantized "
+                                  "first, with a warning), or a Hugging Face checkpoint directory (needs the "
+                                  "'convert' extra: pip install 'tensorfold[convert]')")
     qz.add_argument("-o", "--output", required=True, help="output GGUF path")
     qz.add_argument("--target-bpw", type=float, default=None,
                     help="bits per weight of the whole file (all tensors counted), e.g. 2.9")
@@ -630,19 +818,21 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Prints what an engine with these options would keep resident on each "
                                     "rank: weights, KV cache pool, scratch, comm buffers and a safety margin, "
                                     "against the budget (--memory-budget, default the memory available now), "
-                                    "and the largest --kv-tokens that fits. Exit status 1 when it does not fit. "
+                                    "and the largest --kv-tokens that fits (or, when not even one full context "
+                                    "fits, the largest -c; with --tp 2, one limit for both ranks). Exit status 1 "
+                                    "when it does not fit. "
                                     "Reads only the file's header: a 2x128 GB TP=2 plan can be checked on a "
                                     "laptop.")
     pn.add_argument("model", help="GGUF path or known model name")
     pn.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor parallel size")
     pn.add_argument("--rank", type=int, default=None, choices=(0, 1), help="only this rank (default: each)")
-    pn.add_argument("-c", "--context", type=_int_in(1), default=None,
+    pn.add_argument("-c", "--context", type=_int_in(2, _MAX_CONTEXT), default=None,
                     help="context length per sequence (default: the model's, at most 8192)")
-    pn.add_argument("--kv-tokens", type=_int_in(1), default=None,
+    pn.add_argument("--kv-tokens", type=_int_in(1, _MAX_KV_TOKENS), default=None,
                     help="KV cache pool size in tokens (default: max(context, 4096))")
     pn.add_argument("--max-batch-tokens", type=_int_in(1), default=512, help="tokens per step (default 512)")
     pn.add_argument("--kv-type", default="f16", choices=("f16", "f32"), help="KV cache element type")
-    pn.add_argument("--memory-budget", default=None, metavar="SIZE",
+    pn.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
                     help="e.g. 120GiB (default: the memory available now; 'none': no budget)")
     pn.set_defaults(func=cmd_plan)
 
@@ -660,10 +850,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _negative_sizes(argv: list[str]) -> list[str]:
+    """`--memory-budget -5GiB` as `--memory-budget=-5GiB`: argparse would take the value for an
+    option and say "expected one argument"; this way it is refused for what it is."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return out + argv[i:]
+        if argv[i] == "--memory-budget" and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+            out.append(f"--memory-budget={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     _setup_stdio()
     parser = build_parser()
-    a = parser.parse_args(argv)
+    a = parser.parse_args(_negative_sizes(list(sys.argv[1:] if argv is None else argv)))
     if not getattr(a, "func", None):
         parser.print_help()
         return 2
@@ -678,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
         _stdout_to_devnull()
         return 141
     except (ValueError, OSError, RuntimeError, MemoryError) as e:
-        print(f"tensorfold: error: {e}", file=sys.stderr)
+        print_error(cli_names(str(e), getattr(a, "command", None)))
         return 1
     except Exception as e:  # a bug, not a user mistake: still one line unless asked for more
         if os.environ.get("TENSORFOLD_DEBUG"):

@@ -1279,16 +1279,25 @@ def _known_pre() -> list[str]:
 
 
 def _cmd(a: argparse.Namespace) -> int:
+    # Errors are reported as every command's are ("tensorfold: error: ..."); other exceptions
+    # reach tensorfold.cli.main, which does the same.
+    from .calibrate import missing_module_error
+    from .cli import print_error
+
+    err = missing_module_error("safetensors", "tensorfold convert (reading the checkpoint)", extra="convert")
+    if err is not None:
+        print_error(str(err))
+        return 1
     out = a.output
     if out is None:
         out = os.path.join(a.hf_dir.rstrip("/") or ".", f"model-{a.outtype}.gguf")
     if os.path.exists(out) and not a.force:
-        print(f"error: {out} exists (use --force to overwrite)", file=sys.stderr)
+        print_error(f"{out} exists (use --force to overwrite)")
         return 2
     try:
         convert(a.hf_dir, out, a.outtype, progress=not a.quiet, pre=a.pre)
     except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
         return 1
     print(out)
     return 0

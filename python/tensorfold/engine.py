@@ -16,28 +16,83 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from . import _core
-from .chat_template import render_chat
+from .chat_template import check_roles, render_chat
+from .pull import path_error  # noqa: F401 - re-exported: one check of model/input paths
 from .tokenizer import TextStream, Tokenizer, clean_text
 
 _INT32_MAX = 2**31 - 1
+# The native engine's limits (csrc/engine/engine.h: Engine::kMaxContext, kMaxKvTokens), checked
+# here first so that every layer states the same range the same way.
+MAX_CONTEXT = 2**24
+MAX_KV_TOKENS = 2**30
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (e.g. top_k=2.5, temperature="hot", messages="hi"). It is a
+    TypeError; it is also a ValueError, so that code written when these were ValueErrors
+    (`except ValueError`) still catches them. A right type with a bad value is a plain
+    ValueError."""
+
+
+def _piece_text(tokenizer, token: int) -> str:
+    """A token's own text (its bytes as UTF-8; a token that is part of a character gives
+    U+FFFD for the bytes it holds)."""
+    if tokenizer is None:
+        return ""
+    try:
+        return tokenizer.token_to_piece(token, True).decode("utf-8", "replace")
+    except (ValueError, IndexError, KeyError):
+        return ""
+
+
+class TopLogprob(tuple):
+    """One of the most likely tokens at a position: unpacks as the pair (token, logprob) and
+    equals that tuple; `.text` is the token's text."""
+
+    def __new__(cls, token: int, logprob: float, text: str = ""):
+        self = super().__new__(cls, (token, logprob))
+        self.text = text
+        return self
+
+    @property
+    def token(self) -> int:
+        return self[0]
+
+    @property
+    def logprob(self) -> float:
+        return self[1]
+
+    def __repr__(self) -> str:
+        return f"TopLogprob(token={self[0]}, logprob={self[1]!r}, text={self.text!r})"
+
+    def __reduce__(self):
+        return (TopLogprob, (self[0], self[1], self.text))
 
 
 @dataclass
 class TokenLogprob:
     """A generated token's log-probability under the model (log-softmax of the raw logits,
-    before temperature and filters) and the `top` most likely tokens at that position."""
+    before temperature and filters), its text, and the `top` most likely tokens at that
+    position (most likely first; each unpacks as (token, logprob) and has `.text`)."""
     token: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # most likely first
+    top: list[TopLogprob] = field(default_factory=list)  # most likely first
+    text: str = ""  # the token's own text (a token inside a UTF-8 character: U+FFFD)
 
     @classmethod
-    def from_native(cls, token: int, lp: tuple) -> "TokenLogprob":
-        """From the native step's (logprob, [(token, logprob), ...])."""
-        return cls(token, float(lp[0]), [(int(t), float(v)) for t, v in lp[1]])
+    def from_native(cls, token: int, lp: tuple, tokenizer=None) -> "TokenLogprob":
+        """From the native step's (logprob, [(token, logprob), ...]); with `tokenizer`, the
+        texts of the token and of the top entries are filled in."""
+        return cls(token, float(lp[0]),
+                   [TopLogprob(int(t), float(v), _piece_text(tokenizer, int(t))) for t, v in lp[1]],
+                   _piece_text(tokenizer, token))
 
 
 @dataclass
 class Completion:
+    """The result of Engine.generate/chat: the text, the generated token ids, why it ended
+    ("stop": end of sequence or a stop string, "length": max_tokens reached), token counts
+    (usage) and, when asked for, one TokenLogprob per generated token."""
     text: str
     token_ids: list[int]
     finish_reason: str
@@ -49,12 +104,18 @@ MAX_TOP_LOGPROBS = 20
 
 
 def resolve_model(model: str) -> str:
-    """A GGUF path, or the name of a model that tensorfold.pull() knows."""
+    """The path of a GGUF file: `model` itself when it is one, or the cached file of a model
+    that tensorfold.pull() knows (downloaded on first use)."""
     from .pull import known_models, pull
 
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path or a known model name, not {type(model).__name__}")
+    if not isinstance(model, (str, os.PathLike)) or isinstance(model, bytes):
+        raise ArgumentTypeError(f"model must be a path or a known model name, not {type(model).__name__}")
     model = os.fspath(model)
+    if not isinstance(model, str):
+        raise ArgumentTypeError(f"model must be a path or a known model name, not {type(model).__name__}")
+    err = path_error(model, "model")
+    if err is not None:
+        raise err
     if os.path.exists(model):
         if os.path.isdir(model):
             raise ValueError(f"{model} is a directory; give the path of a .gguf file")
@@ -79,8 +140,13 @@ def parse_memory_budget(v) -> int:
         if v <= 0:
             raise ValueError(f"memory_budget must be positive bytes (or None / 'auto' / 'none'), got {v}")
         return int(v)
+    if not isinstance(v, str):
+        raise ArgumentTypeError(f"memory_budget must be bytes (an int), a size such as '120GiB', None, 'auto' or "
+                                f"'none', not {type(v).__name__}")
     if isinstance(v, str):
         t = v.strip().lower().replace(" ", "")
+        if t.startswith("-"):
+            raise ValueError(f"memory_budget must be a positive size, got {v!r}")
         if t == "auto":
             return 0
         if t == "none":
@@ -102,6 +168,8 @@ def resolve_transport(name: str) -> str:
     if name == "auto":
         comm = _core.comm
         return "ibverbs" if comm.built_with_ibverbs() and comm.ibverbs_devices() else "tcp"
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"transport must be 'tcp', 'ibverbs' or 'auto', not {type(name).__name__}")
     if name not in ("tcp", "ibverbs"):
         raise ValueError(f"transport must be 'tcp', 'ibverbs' or 'auto', got {name!r}")
     return name
@@ -111,19 +179,33 @@ def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
+# Argument checks: a wrong type is a TypeError (ArgumentTypeError), a value out of range a
+# ValueError; both name the valid range.
 def _int_in(name: str, v, lo: int, hi: int = _INT32_MAX, note: str = "") -> int:
-    if not _is_int(v) or not lo <= v <= hi:
+    if not _is_int(v):
+        raise ArgumentTypeError(f"{name} must be an integer in [{lo}, {hi}]{note}, got {v!r} ({type(v).__name__})")
+    if not lo <= v <= hi:
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}]{note}, got {v!r}")
     return int(v)
 
 
+def _check_bool(name: str, v) -> bool:
+    if not isinstance(v, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be True or False, not {type(v).__name__}")
+    return bool(v)
+
+
 def _float_in(name: str, v, lo: float, hi: float, lo_open: bool = False, note: str = "") -> float:
     f = math.nan
-    if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
-        try:
-            f = float(v)
-        except OverflowError:  # an int beyond float range
-            pass
+    if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, (bool, np.bool_)):
+        rng = (f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi)
+               else f"{'>' if lo_open else '>='} {lo:g}")
+        raise ArgumentTypeError(f"{name} must be a finite number {'in ' if math.isfinite(hi) else ''}{rng}{note}, "
+                                f"got {v!r} ({type(v).__name__})")
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond float range
+        pass
     if not (math.isfinite(f) and (lo < f if lo_open else lo <= f) and f <= hi):
         rng = (f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi)
                else f"{'>' if lo_open else '>='} {lo:g}")
@@ -162,12 +244,26 @@ def _close_live_engines() -> None:
             eng.close()
 
 
+def context_warning(context: int, n_train: int, name: str) -> str | None:
+    """The warning for a context longer than the model was trained for (None when it is
+    not): what Engine warns at load and `tensorfold plan` prints."""
+    if 0 < n_train < context:
+        return (f"context {context} is longer than the {n_train} tokens {name} is made for (its "
+                f"context_length, RoPE scaling included); output degrades past {n_train} tokens")
+    return None
+
+
 class Engine:
     """Loads a GGUF model onto the native engine.
 
-    threads: worker threads (default: all cores). kv_tokens: size of the paged KV pool in
-    tokens (default: max(context, 4096)). context: per-sequence limit (default: the model's
-    trained context, at most 8192). kv_type: "f16" (default, half the memory) or "f32" for
+    model: a .gguf path or a known model name (tensorfold.pull() fetches it). threads: worker
+    threads (default: the CPUs this process may use: its affinity mask, capped by a cgroup CPU
+    quota; more is allowed, with a warning). kv_tokens: size of the paged KV pool in tokens,
+    in [1, 1073741824] (default: max(context, 4096)). context: per-sequence limit, in
+    [2, 16777216] (default: the model's trained context, at most 8192). memory_budget: bytes
+    or a size such as "120GiB" this engine may use (default: the memory available now;
+    "none": no check); a plan over it raises MemoryError before anything is allocated.
+    kv_type: "f16" (default, half the memory) or "f32" for
     the KV cache. Tensor parallel over two machines: tp=2 with rank=0 here and
     peer="HOST:PORT" where `tensorfold worker MODEL --tp 2 --rank 1 --listen HOST:PORT`
     runs (same model file and options); rails lists this machine's address on each link.
@@ -185,6 +281,10 @@ class Engine:
     close() (or leaving a `with Engine(...) as eng:` block) releases the native engine; later
     calls that need it raise RuntimeError. Streams that are not being read are parked after a
     few tokens (their KV cache freed, recomputed when read again) so they do not slow others.
+
+    Arguments of the wrong type raise TypeError (ArgumentTypeError, which older code that
+    catches ValueError also catches); of the right type but out of range, ValueError. Both
+    messages name the valid range.
     """
 
     def __init__(self, model: str, *, threads: int | None = None, kv_tokens: int | None = None,
@@ -200,19 +300,32 @@ class Engine:
         self._lock = threading.RLock()
         self._reqs: dict[int, _Request] = {}  # native id -> request
         self._to_abort: collections.deque[int] = collections.deque()  # released while the lock was busy
-        # Types and signs here; the native engine applies its own caps (with their reasons).
-        for name, v, hi in (("threads", threads, _INT32_MAX), ("kv_tokens", kv_tokens, 2**63 - 1),
-                            ("context", context, 2**63 - 1)):
+        # Types and ranges here; the native engine applies its own caps (with their reasons).
+        for name, v, lo, hi in (("threads", threads, 1, _INT32_MAX), ("kv_tokens", kv_tokens, 1, MAX_KV_TOKENS),
+                                ("context", context, 2, MAX_CONTEXT)):
             if v is not None:
-                _int_in(name, v, 1, hi)
+                _int_in(name, v, lo, hi, note=" (None: automatic)")
         _int_in("max_batch_tokens", max_batch_tokens, 1)
+        if not isinstance(kv_type, str):
+            raise ArgumentTypeError(f"kv_type must be 'f16' or 'f32', not {type(kv_type).__name__}")
+        if kv_type not in ("f16", "f32"):
+            raise ValueError(f"kv_type must be 'f16' or 'f32', got {kv_type!r}")
+        _int_in("tp", tp, 1, 2)
+        _int_in("rank", rank, 0, tp - 1)
+        for name, v in (("peer", peer), ("token", token)):
+            if v is not None and not isinstance(v, str):
+                raise ArgumentTypeError(f"{name} must be a string or None, not {type(v).__name__}")
+        if rails is not None:
+            if isinstance(rails, (str, bytes)) or not all(isinstance(r, str) for r in rails):
+                raise ArgumentTypeError("rails must be a list of addresses (strings), one per link")
+            rails = list(rails)
+        _check_bool("tp_compatible", tp_compatible)
         _float_in("timeout", timeout, 0.0, math.inf, lo_open=True, note=" seconds")
         budget = parse_memory_budget(memory_budget)
         transport = resolve_transport(transport)
         _float_in("wait", wait, 0.0, math.inf, note=" seconds (0: until rank 0 connects)")
         _float_in("load_timeout", load_timeout, 0.0, math.inf, lo_open=True, note=" seconds")
-        if not isinstance(prefix_cache, (bool, np.bool_)):
-            raise TypeError(f"prefix_cache must be True or False, not {type(prefix_cache).__name__}")
+        _check_bool("prefix_cache", prefix_cache)
         self.path = resolve_model(model)
         self._gguf = _core.GgufFile(self.path)
         metadata = self._gguf.metadata()
@@ -222,8 +335,6 @@ class Engine:
             raise ValueError(f"{self.path}: metadata tokenizer.chat_template is a "
                              f"{type(self.chat_template).__name__}, not a string")
         self._check_vocab(None)  # before loading the weights: fail fast
-        if tp not in (1, 2):
-            raise ValueError(f"tp must be 1 or 2, got {tp}")
         if tp == 2 and not peer:
             raise ValueError("tp=2 needs peer='HOST:PORT' (where rank 1 listens)")
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
@@ -234,12 +345,10 @@ class Engine:
         self._context = self._core.context
         self._threads = self._core.threads
         self._check_vocab(self._config["n_vocab"])
-        n_train = self._config.get("n_ctx_train") or 0
-        if 0 < n_train < self._context:
-            warnings.warn(
-                f"context {self._context} is longer than the {n_train} tokens {os.path.basename(self.path)} "
-                f"is made for (its context_length, RoPE scaling included); output degrades past "
-                f"{n_train} tokens", RuntimeWarning, stacklevel=2)
+        long_context = context_warning(self._context, self._config.get("n_ctx_train") or 0,
+                                       os.path.basename(self.path))
+        if long_context:
+            warnings.warn(long_context, RuntimeWarning, stacklevel=2)
         usable = _core.usable_cpus()
         if self._threads > usable:
             warnings.warn(
@@ -275,6 +384,7 @@ class Engine:
                                  f"{n} rows; they must match (the file is inconsistent)")
 
     # -- lifetime -------------------------------------------------------------------------
+
     def close(self) -> None:
         """Release the native engine (under TP, tells the follower to stop). Waits for a step
         running in another thread; the streams still open then raise RuntimeError.
@@ -294,12 +404,15 @@ class Engine:
 
     @property
     def closed(self) -> bool:
+        """True once close() was called (or the engine never finished loading)."""
         return getattr(self, "_core", None) is None
 
     def __enter__(self) -> "Engine":
+        """`with Engine(...) as eng:` closes the engine when the block ends."""
         return self
 
     def __exit__(self, *exc) -> None:
+        """Closes the engine (see close())."""
         self.close()
 
     def _native(self):
@@ -312,19 +425,29 @@ class Engine:
         return core
 
     # -- properties -----------------------------------------------------------------------
+
     @property
     def config(self) -> dict:
+        """The model's configuration as the native engine read it: architecture, layer and
+        head counts, vocabulary size ("n_vocab"), trained context ("n_ctx_train"), a one-line
+        "summary", ..."""
         return self._config
 
     @property
     def context(self) -> int:
+        """The per-sequence context in tokens: a prompt and its completion together fit in it."""
         return self._context
 
     @property
     def threads(self) -> int:
+        """The number of worker threads the native engine runs."""
         return self._threads
 
     def stats(self) -> dict:
+        """Counters since load: "prompt_tokens" and "generated_tokens" with "prefill_seconds"
+        and "decode_seconds", "active_requests", the KV pool ("kv_tokens", "free_kv_tokens",
+        "kv_blocks_used/free/cached"), the prefix cache ("prefix_cache_hits",
+        "prefix_cached_tokens"), "expert_usage" for MoE models, and "comm" under TP."""
         with self._lock:
             core = self._native()
             self._drain_aborts(core)
@@ -344,12 +467,16 @@ class Engine:
                 self._following = False
 
     # -- tokens ---------------------------------------------------------------------------
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """The token ids of `text`; add_special=True adds BOS (and EOS) as the model's
+        tokenizer metadata asks."""
         if not isinstance(text, str):
-            raise TypeError(f"text must be str, not {type(text).__name__}")
-        return self.tokenizer.encode(text, add_special=add_special)
+            raise ArgumentTypeError(f"text must be str, not {type(text).__name__}")
+        return self.tokenizer.encode(text, add_special=_check_bool("add_special", add_special))
 
     def detokenize(self, ids: Iterable[int]) -> str:
+        """The text of token ids (bytes that are not valid UTF-8 become U+FFFD)."""
         return self.tokenizer.decode(self._token_ids(ids, "ids", check_vocab=False))
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -369,24 +496,24 @@ class Engine:
         """`ids` as a list of Python ints. Bytes are refused (they would read as one id per
         byte), and so are floats and bools (1.5 or True would silently become id 1)."""
         if isinstance(ids, (str, bytes, bytearray, memoryview)):
-            raise TypeError(f"{what} must be a sequence of integer token ids, not {type(ids).__name__}"
+            raise ArgumentTypeError(f"{what} must be a sequence of integer token ids, not {type(ids).__name__}"
                             + ("; decode bytes to text first (e.g. data.decode('utf-8', 'replace'))"
                                if not isinstance(ids, str) else ""))
         if isinstance(ids, np.ndarray):
             if ids.ndim != 1 or ids.dtype.kind not in "iu":
-                raise TypeError(f"{what}: a numpy array of token ids must be 1-D with an integer dtype, "
+                raise ArgumentTypeError(f"{what}: a numpy array of token ids must be 1-D with an integer dtype, "
                                 f"got {ids.ndim}-D {ids.dtype}")
             out = ids.tolist()
         else:
             try:
                 items = list(ids)
             except TypeError:
-                raise TypeError(f"{what} must be text or a sequence of integer token ids, "
+                raise ArgumentTypeError(f"{what} must be text or a sequence of integer token ids, "
                                 f"not {type(ids).__name__}") from None
             out = []
             for i in items:
                 if not _is_int(i):
-                    raise TypeError(f"{what}: token ids must be integers, got {i!r} ({type(i).__name__})")
+                    raise ArgumentTypeError(f"{what}: token ids must be integers, got {i!r} ({type(i).__name__})")
                 out.append(int(i))
         if check_vocab:
             vocab = self._config["n_vocab"]
@@ -396,7 +523,14 @@ class Engine:
         return out
 
     # -- generation -----------------------------------------------------------------------
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template (ChatML when it has none) makes of
+        `messages` ([{"role": ..., "content": ...}, ...]; roles as check_roles() accepts), with
+        the assistant's turn opened when add_generation_prompt."""
+        _check_messages(messages)
+        messages = check_roles(messages)
+        _check_bool("add_generation_prompt", add_generation_prompt)
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_id) if tok.eos_id is not None else ""
@@ -407,14 +541,45 @@ class Engine:
         if messages is not None:
             if prompt is not None:
                 raise ValueError("give either prompt or messages, not both")
+            _check_messages(messages)
+            messages = check_roles(messages)
+            messages, literals = self._mark_special_text(messages)
             text = self.apply_chat_template(messages)
-            # The template writes any BOS itself; special tokens in it are parsed as such.
-            return self.tokenizer.encode(text, add_special=False)
+            # The template writes any BOS itself; the control tokens it writes are parsed as
+            # such, while those a message's content quotes are text (see _mark_special_text).
+            return self.tokenizer.encode_with_literals(text, literals)
         if prompt is None:
             raise ValueError("a prompt (text or token ids) is required")
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special=True)
         return self._token_ids(prompt)
+
+    def _mark_special_text(self, messages):
+        """Messages whose string contents have every control-token string (``<|im_end|>``, ...)
+        replaced by a marker, and the markers' texts: the rendered chat is then tokenized with
+        those strings as text, so a user cannot close their turn or forge another role's. The
+        markers carry a random nonce, so content cannot forge one either. Messages without
+        such strings (nearly all) are passed through unchanged."""
+        special = self.tokenizer.special_text_re
+        if special is None or not isinstance(messages, (list, tuple)):
+            return messages, {}
+        literals: dict[str, str] = {}
+        nonce = None
+        out = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str) and special.search(content):
+                if nonce is None:
+                    nonce = "".join(chr(0xF0000 + b) for b in secrets.token_bytes(6))
+
+                def mark(match):
+                    key = f"\U000FFFF0{nonce}{len(literals)}\U000FFFF1"
+                    literals[key] = match.group()
+                    return key
+
+                m = dict(m, content=special.sub(mark, content))
+            out.append(m)
+        return out, literals
 
     def _request(self, ids: list[int], *, max_tokens, temperature, top_k, top_p, min_p, seed,
                  ignore_eos) -> _Request:
@@ -425,7 +590,8 @@ class Engine:
         top_p = _float_in("top_p", top_p, 0.0, 1.0, lo_open=True, note=" (1 = off)")
         min_p = _float_in("min_p", min_p, 0.0, 1.0, note=" (0 = off)")
         if seed is not None and not _is_int(seed):
-            raise ValueError(f"seed must be an integer (used modulo 2**64) or None, got {seed!r}")
+            raise ArgumentTypeError(f"seed must be an integer (used modulo 2**64) or None, got {seed!r}")
+        ignore_eos = _check_bool("ignore_eos", ignore_eos)
         greedy = temperature == 0.0 or top_k == 1
         parkable = greedy or seed is None  # an explicit seed must give the same tokens however read
         if seed is None:
@@ -443,10 +609,10 @@ class Engine:
         try:
             stops = list(stop)
         except TypeError:
-            raise TypeError(f"stop must be a string or a list of strings, not {type(stop).__name__}") from None
+            raise ArgumentTypeError(f"stop must be a string or a list of strings, not {type(stop).__name__}") from None
         for s in stops:
             if not isinstance(s, str):
-                raise TypeError(f"stop strings must be str, got {s!r}")
+                raise ArgumentTypeError(f"stop strings must be str, got {s!r}")
         return [s for s in stops if s]
 
     def _run(self, req: _Request, stops: list[str]) -> Iterator[tuple[str, int | None, str | None, tuple | None]]:
@@ -541,9 +707,15 @@ class Engine:
                  max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
                  min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None) -> Completion:
-        """Complete `prompt` (text, or token ids used verbatim). temperature=0 is greedy.
+        """Completes `prompt` (text, which gets BOS as the model asks, or token ids used
+        verbatim), or with messages=[{"role": ..., "content": ...}, ...] the assistant's turn
+        of a conversation (roles: system, user, assistant, tool, developer). Generates at most
+        max_tokens tokens, sampled with temperature (0 = greedy), top_k (0 = off), top_p
+        (1 = off) and min_p (0 = off); seed makes sampling reproducible; generation ends at the
+        first of `stop` (never included in the text) or end of sequence unless ignore_eos.
         logprobs=k (0..20) also returns each generated token's log-probability and the k most
-        likely tokens at its position (Completion.logprobs)."""
+        likely tokens at its position (Completion.logprobs, with their texts). Returns a
+        Completion."""
         self._native()
         if logprobs is not None:
             logprobs = _int_in("logprobs", logprobs, 0, MAX_TOP_LOGPROBS, note=" (None = off)")
@@ -557,7 +729,7 @@ class Engine:
             if token is not None:
                 tokens.append(token)
                 if lp is not None:
-                    lps.append(TokenLogprob.from_native(token, lp))
+                    lps.append(TokenLogprob.from_native(token, lp, self.tokenizer))
             if why:
                 reason = why
         return Completion(text="".join(text), token_ids=tokens, finish_reason=reason,
@@ -569,19 +741,50 @@ class Engine:
                max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
                min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
                ignore_eos: bool = False) -> Iterator[str]:
-        """Yields text pieces as they are generated (never a split UTF-8 character). Arguments
-        are checked here; the request starts with the first read."""
+        """Like generate(), but yields the text pieces as they are generated (never a split
+        UTF-8 character). Arguments are checked here; the request starts with the first read.
+        The returned Stream's finish_reason says why it ended ("stop" or "length") once it
+        has; close() it to stop early."""
         self._native()
         ids = self._prompt_ids(prompt, messages)
         req = self._request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, seed=seed, ignore_eos=ignore_eos)
-        return self._pieces(req, self._stops(stop))
-
-    def _pieces(self, req: _Request, stops: list[str]) -> Iterator[str]:
-        for piece, _, _, _ in self._run(req, stops):
-            if piece:
-                yield piece
+        return Stream(self._run(req, self._stops(stop)))
 
     def chat(self, messages: list[dict], **kwargs) -> Completion:
-        """Applies the model's chat template to `messages` and completes the assistant turn."""
+        """Applies the model's chat template to `messages` and completes the assistant turn
+        (the keyword arguments are generate()'s)."""
         return self.generate(messages=messages, **kwargs)
+
+
+class Stream(Iterator[str]):
+    """The text pieces of one generation (Engine.stream). `finish_reason` is None while it
+    runs, then "stop" (end of sequence or a stop string), "length" (max_tokens) or "abort".
+    close() ends it early and frees its KV cache."""
+
+    def __init__(self, events: Iterator):
+        self._events = events  # Engine._run: (piece, token, finish_reason, logprobs)
+        self.finish_reason: str | None = None
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            piece, _, why, _ = next(self._events)
+            if why:
+                self.finish_reason = why
+            if piece:
+                return piece
+
+    def close(self) -> None:
+        """Stops the generation (its native request is released)."""
+        self._events.close()
+
+
+def _check_messages(messages) -> None:
+    """`messages` must be a list (or tuple) of dicts: a wrong type is a TypeError; what is
+    inside (roles, content) is checked as its value (ValueError)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
+        raise ArgumentTypeError(f"messages must be a list of dicts such as {{'role': 'user', 'content': '...'}}, "
+                                f"not {type(messages).__name__}")

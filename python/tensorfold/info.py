@@ -31,8 +31,50 @@ def _count(v) -> int | None:
         return None
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+def human_size(n: int | float) -> str:
+    """A size in the unit that shows it: GiB from 1 GiB, MiB from 1 MiB, KiB from 1 KiB, else bytes."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    if n >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{int(n)} B"
+
+
+_size = human_size
+
+
+def _n(count: int, noun: str, plural: str | None = None) -> str:
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def _counted(v, noun: str) -> str:
+    """A count from metadata with its noun ('1 chunk', '4 chunks', '? chunks' when not a number)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return _n(v, noun)
+    return f"{_show(v)} {noun}s"
+
+
+def _imatrix(md: dict, tensors: list[dict]) -> list[str]:
+    """What an importance matrix (llama.cpp's GGUF imatrix: `tensorfold calibrate`,
+    llama-imatrix) holds: its entries (one per weight matrix), chunks and datasets."""
+    entries = sum(1 for t in tensors if t["name"].endswith(".in_sum2"))
+    lines = [f"type:          importance matrix (for `tensorfold quantize --calib` and llama-quantize --imatrix), "
+             f"{_n(entries, 'entry', 'entries')}"]
+    count, size = md.get("imatrix.chunk_count"), md.get("imatrix.chunk_size")
+    if isinstance(count, int) and not isinstance(count, bool):
+        lines.append(f"  chunks:      {count}" + (f" of {_n(size, 'token')}" if isinstance(size, int) else ""))
+    datasets = md.get("imatrix.datasets")
+    n = _count(datasets)
+    if n:
+        shown = [str(d) for d in list(datasets)[:3]]
+        more = f" (+{n - 3} more)" if n > 3 else ""
+        lines.append(f"  datasets:    {', '.join(_show(d, 60) for d in shown)}{more}")
+    for key, what in (("tensorfold.calibrate.model", "model"), ("tensorfold.calibrate.text_sha256", "text sha256")):
+        if md.get(key) is not None:
+            lines.append(f"  {what + ':':<13}{_show(md.get(key))}")
+    return lines
 
 
 def _quantize_history(md: dict) -> list[str]:
@@ -63,7 +105,7 @@ def _quantize_history(md: dict) -> list[str]:
             est = recipe.get("estimated_kld")
             est = f", estimated KLD {est:.4f}" if isinstance(est, (int, float)) else ""
             lines.append(f"  probes:      on {_show(probe.get('text'))} (sha256 {_show(probe.get('text_sha256'), 16)}), "
-                         f"{_show(probe.get('chunks'))} chunks of {_show(probe.get('ctx'))}{est}")
+                         f"{_counted(probe.get('chunks'), 'chunk')} of {_show(probe.get('ctx'))}{est}")
             lines.append("  KLD/error:   " + ", ".join(f"{r} {a:.3g}" for r, a in sens.items()
                                                         if isinstance(a, (int, float))))
         tensors = recipe.get("tensors")
@@ -101,15 +143,18 @@ def describe(model: str, show_tensors: bool = False) -> str:
     arch = md.get("general.architecture")
     arch = arch if isinstance(arch, str) else "?"
     lines = [f"file:          {path}",
-             f"size:          {f.file_size / 2**20:.1f} MiB (GGUF v{f.version}, {len(md)} metadata keys)",
-             f"name:          {_show(md.get('general.name'))}",
-             f"architecture:  {_show(md.get('general.architecture'))}"]
+             f"size:          {human_size(f.file_size)} (GGUF v{f.version}, {_n(len(md), 'metadata key')})"]
+    if md.get("general.type") == "imatrix":
+        lines.extend(_imatrix(md, f.tensors()))
+        return "\n".join(lines)
+    lines += [f"name:          {_show(md.get('general.name'))}",
+              f"architecture:  {_show(md.get('general.architecture'))}"]
     parts = f.parts
     if len(parts) > 1:
         # A split model (llama.cpp's gguf-split): every file, in split order.
         lines.insert(1, f"parts:         {len(parts)} files (split model; metadata in part 1)")
         for i, p in enumerate(parts):
-            lines.insert(2 + i, f"  {i + 1:>5}  {p['path']}  {_size(p['size'])}, {p['n_tensors']} tensors")
+            lines.insert(2 + i, f"  {i + 1:>5}  {p['path']}  {human_size(p['size'])}, {_n(p['n_tensors'], 'tensor')}")
     for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                 "attention.head_count_kv", "context_length", "rope.freq_base", "expert_count",
                 "expert_used_count"):
@@ -118,7 +163,7 @@ def describe(model: str, show_tensors: bool = False) -> str:
             lines.append(f"  {key + ':':<26}{_show(v)}")
     try:
         kv = _core.kv_bytes_per_token(f)
-        lines.append(f"kv cache:      {kv} bytes per token (F16), {kv * 1024 / 2**20:.1f} MiB per 1K tokens")
+        lines.append(f"kv cache:      {kv} bytes per token (F16), {human_size(kv * 1024)} per 1K tokens")
     except ValueError as e:  # an architecture or layout the engine refuses: say so, keep going
         lines.append(f"kv cache:      - ({str(e).splitlines()[0]})")
     tok = md.get("tokenizer.ggml.tokens")
@@ -128,7 +173,7 @@ def describe(model: str, show_tensors: bool = False) -> str:
     elif n_tok is None:
         tokens = f"tokenizer.ggml.tokens is not an array ({_show(tok)})"
     else:
-        tokens = f"{n_tok} tokens"
+        tokens = _n(n_tok, "token")
     template = md.get("tokenizer.chat_template")
     if isinstance(template, str) or template is None:
         has_template = "yes" if template else "no"
@@ -153,8 +198,8 @@ def describe(model: str, show_tensors: bool = False) -> str:
     lines.append(f"tensors:       {len(tensors)}, {total_el / 1e6:.1f} M weights, "
                  f"{8 * total_by / max(total_el, 1):.3f} bits per weight")
     for ty, n in sorted(n_el.items(), key=lambda kv: -n_by[kv[0]]):
-        lines.append(f"  {ty:<8} {n / 1e6:10.2f} M weights  {n_by[ty] / 2**20:9.1f} MiB  "
-                     f"{8 * n_by[ty] / n:6.3f} bpw")
+        lines.append(f"  {ty:<8} {n / 1e6:10.2f} M weights  {human_size(n_by[ty]):>11}  "
+                     f"{8 * n_by[ty] / max(n, 1):6.3f} bpw")
     lines.extend(_quantize_history(md))
     if unsupported:
         lines.append(f"warning: types not supported by TensorFold yet: {', '.join(sorted(unsupported))}")

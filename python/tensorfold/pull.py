@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -22,7 +23,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-__all__ = ["PullError", "ModelSpec", "REGISTRY", "pull", "default_cache_dir", "known_models", "describe_models"]
+__all__ = ["PullError", "ModelSpec", "REGISTRY", "pull", "default_cache_dir", "known_models", "describe_models",
+           "path_error"]
 
 _CHUNK = 1 << 20
 
@@ -54,6 +56,41 @@ REGISTRY: dict[str, ModelSpec] = {
         description="SmolLM2 135M Instruct, Q4_1 (the default chat model)",
     ),
 }
+
+
+def path_error(path: str, what: str = "") -> OSError | None:
+    """Why `path` cannot be opened, as the exception to raise: a symlink loop (ELOOP), a
+    symbolic link to nothing, no permission, a name too long. None when it can be reached,
+    and when it simply does not exist (the caller says what was expected there)."""
+    label = f"{what} {path!r}" if what else repr(path)
+    try:
+        os.stat(path)
+        return None
+    except OSError as e:
+        err = e
+    except ValueError as e:  # e.g. a NUL byte in the path
+        return FileNotFoundError(f"{label}: {e}")
+
+    def error(cls, code: int, message: str) -> OSError:
+        e = cls(message)  # str(e) is the message alone, without "[Errno N]"
+        e.errno = code
+        return e
+
+    if err.errno == errno.ELOOP:
+        return error(OSError, errno.ELOOP, f"{label}: too many levels of symbolic links (a symlink loop)")
+    if err.errno in (errno.ENOENT, errno.ENOTDIR):
+        if os.path.islink(path):
+            try:
+                target = os.readlink(path)
+            except OSError:
+                target = "?"
+            return error(FileNotFoundError, errno.ENOENT,
+                         f"{label} is a symbolic link to {target!r}, which does not exist")
+        return None
+    return error(type(err), err.errno or 0, f"{label}: {err.strerror or err}")
+
+
+MAX_TOP_LOGPROBS = 20
 
 
 def known_models() -> list[str]:
@@ -289,6 +326,9 @@ def pull(
         looks_like_path = name.endswith(".gguf") or os.sep in name or (
             os.altsep is not None and os.altsep in name
         )
+        err = path_error(name, "model file")
+        if err is not None:
+            raise PullError(str(err))
         if os.path.isfile(name):
             return name
         if looks_like_path:

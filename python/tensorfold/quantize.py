@@ -640,12 +640,27 @@ class QuantizeResult:
     eval: dict | None = None
 
 
+def check_dependencies(src_path: str) -> None:
+    """What quantizing `src_path` needs beyond the core, checked before anything is loaded or
+    measured: the gguf package (it writes the output and reads --calib), and for a Hugging Face
+    directory safetensors (the 'convert' extra)."""
+    from .calibrate import missing_module_error
+
+    err = missing_module_error("gguf", "tensorfold quantize (writing the GGUF)")
+    if err is None and os.path.isdir(src_path):
+        err = missing_module_error("safetensors", "quantizing a Hugging Face directory (reading its safetensors)",
+                                   extra="convert")
+    if err is not None:
+        raise err
+
+
 def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: str | None = None,
              keep: list[str] | None = None, candidates: list[str] | None = None, threads: int | None = None,
              sample: int = 1 << 16, eval_text: str | None = None, eval_ctx: int = 512,
              eval_chunks: int | None = 16, probe_text: str | None = None, probe_chunks: int = 4,
              probe_layer_bands: int = 0, dry_run: bool = False, progress: bool = True, echo=print) -> QuantizeResult:
     """Quantizes the GGUF (or Hugging Face directory) src_path into out_path; see the module doc."""
+    check_dependencies(src_path)
     types = qtypes()
     threads = threads or max(1, min(os.cpu_count() or 1, 256))
     if target_bpw is not None and not (0 < target_bpw <= 32):
@@ -673,6 +688,11 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
         elif os.path.isfile(src_path):
             gguf_src = src_path
         else:
+            from .engine import path_error
+
+            err = path_error(src_path, "input")
+            if err is not None:
+                raise err
             raise QuantizeError(f"{src_path}: no such file or directory (expected a GGUF or a Hugging Face "
                                 f"checkpoint directory)")
         src = _Source(gguf_src, types)

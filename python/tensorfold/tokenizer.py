@@ -461,6 +461,7 @@ class Tokenizer:
         self._hf_plain = None  # lazily built: control tokens not parsed (parse_special=False)
         self._hf_lock = threading.Lock()
         self._pieces: list[bytes | None] = [None] * n
+        self._special_re: "re.Pattern[str] | None | bool" = False  # built on first use
 
     # ----------------------------------------------------------------------------------
     # construction
@@ -629,6 +630,46 @@ class Tokenizer:
                 ids.insert(0, self.bos_id)
             if self.add_eos:
                 ids.append(self.eos_id)
+        return ids
+
+    @property
+    def special_text_re(self) -> "re.Pattern[str] | None":
+        """A regex matching the text of every token that ``encode`` parses as a control token
+        (control and unknown tokens; longest first, as the tokenizer matches them), or None
+        when there is none."""
+        pat = self._special_re
+        if pat is False:
+            texts = sorted({t for i, t in enumerate(self._tokens)
+                            if self._attrs[i] & (TokenAttr.CONTROL | TokenAttr.UNKNOWN)}, key=len, reverse=True)
+            pat = re.compile("|".join(map(re.escape, texts))) if texts else None
+            self._special_re = pat
+        return pat
+
+    def encode_with_literals(self, text: str, literals: Mapping[str, str]) -> list[int]:
+        """``encode(text, add_special=False)`` for a text in which each key of ``literals``
+        (a marker) stands for its value, which is encoded as plain text: control-token strings
+        in it are not parsed as control tokens. The text is cut at its own control tokens
+        first, as the tokenizer does, so a marker restored inside a piece tokenizes exactly as
+        that text would if it contained no control-token string (a chat message's content
+        that quotes ``<|im_end|>`` cannot close its turn)."""
+        special = self.special_text_re
+        if not literals:
+            return self.encode(text, add_special=False)
+        markers = re.compile("|".join(map(re.escape, literals)))
+
+        def plain(piece: str) -> list[int]:
+            return self.encode(markers.sub(lambda m: literals[m.group()], piece), add_special=False,
+                               parse_special=False)
+
+        ids: list[int] = []
+        pos = 0
+        for m in (special.finditer(text) if special is not None else ()):
+            if m.start() > pos:
+                ids += plain(text[pos:m.start()])
+            ids.append(self._token_to_id[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            ids += plain(text[pos:])
         return ids
 
     def encode_batch(self, texts: Sequence[str], add_special: bool = True,
