@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import tensorfold  # noqa: E402
-from tensorfold.server import ServerConfig, create_app  # noqa: E402
+from tensorfold.server import ServerConfig, create_app, guarded_http_protocol  # noqa: E402
 
 KEY = "test-key-123"
 MODEL = "smollm2"
@@ -42,7 +42,8 @@ class Running:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        # the connection handling `tensorfold serve` uses (TCP_NODELAY, header timeout, cap)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=guarded_http_protocol(60, 1024)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -11,8 +11,11 @@ same code as Engine.stream), so stop strings end the native request at once.
 
 An exception from ``step()`` fails every request that was in the engine with that error
 (each caller gets a final Delta with ``error`` set); the scheduler goes on serving the next
-requests. Waiting requests are bounded (``max_queue``): beyond it ``submit`` raises
-QueueFull instead of letting the backlog grow without end.
+requests while the engine itself is still sound. When it is not (the model file changed
+under it, or the engine was closed), the scheduler stops: every waiting, admitted and running
+request gets the error, ``failure`` holds it and ``on_failure`` is called, so a server can
+report it and exit. Waiting requests are bounded (``max_queue``): beyond it ``submit``
+raises QueueFull instead of letting the backlog grow without end.
 """
 from __future__ import annotations
 
@@ -40,6 +43,15 @@ class SchedulerClosed(RuntimeError):
     """The scheduler is shut down (or shutting down)."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine failed while computing a request (not the request's fault); ``cause`` is
+    the engine's error."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 @dataclass
 class Delta:
     """What one engine step produced for one request. ``text`` is safe to show (whole UTF-8
@@ -56,15 +68,35 @@ class Delta:
     def final(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    @classmethod
+    def merge(cls, deltas: Sequence["Delta"]) -> "Delta":
+        """One Delta carrying several in order (text and tokens joined, the final state kept)."""
+        if len(deltas) == 1:
+            return deltas[0]
+        out = cls()
+        texts = []
+        for d in deltas:
+            texts.append(d.text)
+            out.tokens.extend(d.tokens)
+            if d.logprobs is not None:
+                if out.logprobs is None:
+                    out.logprobs = []
+                out.logprobs.extend(d.logprobs)
+            out.finish_reason = out.finish_reason or d.finish_reason
+            out.error = out.error or d.error
+        out.text = "".join(texts)
+        return out
+
 
 class Request:
     """A submitted generation (the handle ``submit`` returns; pass it to ``cancel``)."""
 
     __slots__ = ("prompt_ids", "max_tokens", "sampling", "top_logprobs", "sink", "text", "rid", "state",
-                 "cancelled", "n_generated", "t_submit", "t_first", "t_last", "finish_reason", "error")
+                 "cancelled", "n_generated", "t_submit", "t_first", "t_last", "finish_reason", "error", "held")
 
     def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: tuple, top_logprobs: int,
-                 text: TextStream, sink: Callable[[Delta], None]):
+                 text: TextStream, sink: Callable[[Delta], None], stream: bool = True):
+        self.held: list[Delta] | None = None if stream else []  # not streamed: Deltas kept until the last
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
         self.sampling = sampling
@@ -127,7 +159,8 @@ class Scheduler:
     take the scheduler's events); close() gives the engine back (it does not close it).
     """
 
-    def __init__(self, engine, *, max_running: int = 32, max_queue: int = 64, observer: Observer | None = None):
+    def __init__(self, engine, *, max_running: int = 32, max_queue: int = 64, observer: Observer | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
         if max_running < 1 or max_queue < 0:
             raise ValueError("max_running must be >= 1 and max_queue >= 0")
         core = engine._native()
@@ -142,9 +175,11 @@ class Scheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._cancels: list[Request] = []
         self._running: dict[int, Request] = {}  # native id -> request; scheduler thread only
+        self._admitting: list[Request] = []  # taken from _waiting, not yet in _running; same thread
         self._n_running = 0
         self._closing = False
-        self._closed_error: BaseException | None = None
+        self._on_failure = on_failure
+        self.failure: BaseException | None = None  # what stopped the scheduler, when it failed
         engine._owner = self
         self._thread = threading.Thread(target=self._main, name="tensorfold-scheduler", daemon=True)
         self._thread.start()
@@ -154,9 +189,12 @@ class Scheduler:
     def submit(self, prompt_ids: Sequence[int], sink: Callable[[Delta], None], *, max_tokens: int = 128,
                temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                seed: int | None = None, stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
-               top_logprobs: int | None = None) -> Request:
-        """Queues a generation; Deltas go to ``sink``. Raises ValueError for bad parameters
-        (as Engine.generate does), QueueFull when too many wait, SchedulerClosed after close."""
+               top_logprobs: int | None = None, stream: bool = True) -> Request:
+        """Queues a generation; Deltas go to ``sink``: each as it is produced, or with
+        ``stream=False`` a single one at the end (the caller waits for the whole answer anyway,
+        and one hand-off instead of one per token keeps the serving threads off the CPUs the
+        engine computes on). Raises ValueError for bad parameters (as Engine.generate does),
+        QueueFull when too many wait, SchedulerClosed after close."""
         eng = self.engine
         ids = eng._token_ids(prompt_ids)
         if not ids:
@@ -173,11 +211,17 @@ class Scheduler:
                     or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
             k = top_logprobs
-        req = Request(ids, spec.max_tokens, spec.sampling, k, TextStream(eng.tokenizer, eng._stops(stop)), sink)
+        req = Request(ids, spec.max_tokens, spec.sampling, k, TextStream(eng.tokenizer, eng._stops(stop)), sink,
+                      stream)
         with self._cv:
             if self._closing:
+                if self.failure is not None:
+                    raise EngineFailed(self.failure)
                 raise SchedulerClosed("the server is shutting down")
-            if len(self._waiting) >= self.max_queue and self._n_running >= self.max_running:
+            # Requests that the next step admits (free running slots) do not count as queued;
+            # the others do, also while a long step keeps the thread from admitting anyone.
+            free = max(0, self.max_running - self._n_running)
+            if len(self._waiting) >= self.max_queue + free:
                 raise QueueFull(f"too many requests are waiting ({len(self._waiting)}); try again later")
             self._waiting.append(req)
             self._cv.notify()
@@ -254,6 +298,12 @@ class Scheduler:
 
     # -- scheduler thread ----------------------------------------------------------------
     def _deliver(self, req: Request, delta: Delta) -> None:
+        if req.held is not None:
+            req.held.append(delta)
+            if not delta.final:
+                return
+            delta = Delta.merge(req.held)
+            req.held = []
         if delta.final:
             req.state = "done"
             if req.finish_reason is None and req.error is None:
@@ -280,7 +330,7 @@ class Scheduler:
                     if self._closing:
                         break
                     cancels, self._cancels = self._cancels, []
-                    admit = []
+                    admit = self._admitting
                     while self._waiting and len(self._running) + len(admit) < self.max_running:
                         req = self._waiting.popleft()
                         req.state = "running"
@@ -288,8 +338,11 @@ class Scheduler:
                     self._n_running = len(self._running) + len(admit)
                 self._work(cancels, admit)
                 self._n_running = len(self._running)
-        except BaseException as e:  # a bug here, or the engine was closed under us
-            log.exception("the scheduler stopped on an error")
+        except BaseException as e:  # the engine is unusable (closed, its file changed), or a bug here
+            if isinstance(e, (ValueError, RuntimeError, OSError)):
+                log.error("the scheduler stopped: %s: %s", type(e).__name__, e)
+            else:
+                log.exception("the scheduler stopped on an unexpected error")
             err = e
         finally:
             self._shutdown(err)
@@ -298,14 +351,15 @@ class Scheduler:
         # The native engine serialises its own methods; the Python Engine's lock is not held
         # here, so stats() from other threads gets in between steps (a lock re-taken at once
         # after every step would starve them).
-        core = self.engine._native()
+        core = self.engine._native()  # raises when the engine is closed or its model file changed
         for req in cancels:
             if req.state != "done" and req.rid is not None:
                 self._running.pop(req.rid, None)
                 core.abort(req.rid)
                 req.rid = None
                 self._deliver(req, Delta(finish_reason="abort"))
-        for req in admit:
+        while admit:
+            req = admit.pop(0)
             if req.cancelled:
                 self._deliver(req, Delta(finish_reason="abort"))
                 continue
@@ -324,7 +378,8 @@ class Scheduler:
         except Exception as e:
             log.error("engine step failed: %s: %s (failing %d request(s))", type(e).__name__, e,
                       len(self._running))
-            self._fail_running(core, e)
+            self._fail_running(core, EngineFailed(e))
+            self.engine._native()  # an engine that cannot go on stops the scheduler now
             return
         now = time.monotonic()
         for ev in events:
@@ -379,17 +434,28 @@ class Scheduler:
     def _shutdown(self, err: BaseException | None) -> None:
         with self._cv:
             self._closing = True
-            waiting = list(self._waiting)
+            self.failure = err
+            waiting = self._admitting + list(self._waiting)
+            self._admitting = []
             self._waiting.clear()
             self._cancels.clear()
-        closed = SchedulerClosed("the server is shutting down") if err is None else err
-        for req in waiting:
-            self._deliver(req, Delta(error=closed))
+        if err is None:
+            closed: BaseException = SchedulerClosed("the server is shutting down")
+        else:
+            closed = err if isinstance(err, EngineFailed) else EngineFailed(err)
         try:
+            for req in waiting:
+                if req.state != "done":
+                    self._deliver(req, Delta(error=closed))
             self._fail_running(self.engine._core, closed)
         finally:
             self._n_running = 0
             self.engine._owner = None
+        if err is not None and self._on_failure is not None:
+            try:
+                self._on_failure(err)
+            except Exception:
+                log.exception("the scheduler's failure callback failed")
 
 
 def asyncio_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[Delta], None]:

@@ -33,7 +33,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
-from .scheduler import MAX_TOP_LOGPROBS, Delta, Observer, QueueFull, Scheduler, SchedulerClosed, asyncio_sink
+from .chat_template import check_role
+from .scheduler import (MAX_TOP_LOGPROBS, Delta, EngineFailed, Observer, QueueFull, Scheduler, SchedulerClosed,
+                        asyncio_sink)
 
 log = logging.getLogger("tensorfold.server")
 
@@ -51,14 +53,15 @@ class ServerConfig:
     max_prompt_tokens: int | None = None  # None: the context minus one
     max_running: int = 32  # requests in the engine at once
     max_queue: int = 64  # waiting requests beyond which new ones get 429
+    body_timeout: float | None = None  # longest pause (s) while a request body arrives; then 408
 
 
 class ApiError(Exception):
     """An error answered in OpenAI's schema: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 503: "server_error"}
+             405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict | None = None):
@@ -184,6 +187,10 @@ class _EngineCollector:
              s.get("preemptions", 0)),
             ("tensorfold_engine_prompt_tokens", "Prompt tokens the engine computed", s.get("prompt_tokens", 0)),
             ("tensorfold_engine_generated_tokens", "Tokens the engine generated", s.get("generated_tokens", 0)),
+            ("tensorfold_engine_decode_seconds", "Seconds of engine steps that only decoded",
+             s.get("decode_seconds", 0.0)),
+            ("tensorfold_engine_prefill_seconds", "Seconds of engine steps that prefilled (with or without decode)",
+             s.get("prefill_seconds", 0.0)),
         )
         for name, doc, v in counters:
             yield CounterMetricFamily(name, doc, value=v)
@@ -192,14 +199,17 @@ class _EngineCollector:
 # -- app state ---------------------------------------------------------------------------
 class _State:
     def __init__(self, config: ServerConfig, engine=None, loader: Callable[[], Any] | None = None,
-                 on_load_error: Callable[[BaseException], None] | None = None):
+                 on_load_error: Callable[[BaseException], None] | None = None,
+                 on_engine_failure: Callable[[BaseException], None] | None = None):
         self.config = config
         self.engine = engine
         self.own_engine = engine is None
         self.loader = loader
         self.on_load_error = on_load_error
+        self.on_engine_failure = on_engine_failure
         self.sched: Scheduler | None = None
         self.load_error: BaseException | None = None
+        self.engine_error: BaseException | None = None  # the scheduler stopped on it: nothing is served
         self.load_thread: threading.Thread | None = None
         self.stopping = False
         self.created = int(time.time())
@@ -211,7 +221,16 @@ class _State:
             if self.stopping:
                 return
             self.sched = Scheduler(self.engine, max_running=self.config.max_running,
-                                   max_queue=self.config.max_queue, observer=self.metrics)
+                                   max_queue=self.config.max_queue, observer=self.metrics,
+                                   on_failure=self._engine_failed)
+
+    def _engine_failed(self, e: BaseException) -> None:
+        """The scheduler stopped on an engine that cannot go on (scheduler thread): every request
+        it held has its error already; from now on /health and /ready say so."""
+        self.engine_error = e
+        log.error("the engine failed; nothing more can be served: %s", e)
+        if self.on_engine_failure is not None:
+            self.on_engine_failure(e)
 
     def load(self) -> None:
         try:
@@ -243,6 +262,9 @@ class _State:
     def ready_scheduler(self) -> Scheduler:
         sched = self.sched
         if sched is None or sched.closed:
+            if self.engine_error is not None:
+                raise ApiError(503, f"the engine failed and this server cannot serve any more: {self.engine_error}",
+                               code="engine_failed")
             if self.load_error is not None:
                 raise ApiError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
             if self.stopping or sched is not None:
@@ -292,9 +314,15 @@ class _Guard:
             if err is not None:
                 return await _send_error(send_counted, err)
             limit = self.state.config.max_body_bytes
+            timeout = self.state.config.body_timeout
             chunks, size = [], 0
             while True:
-                msg = await receive()
+                try:
+                    msg = await asyncio.wait_for(receive(), timeout)
+                except asyncio.TimeoutError:
+                    return await _send_error(send_counted, ApiError(
+                        408, f"the request body stopped arriving for {timeout:g} s (--header-timeout)",
+                        code="request_timeout", headers={"Connection": "close"}))
                 if msg["type"] == "http.disconnect":
                     status[0] = 499
                     return
@@ -465,9 +493,6 @@ def _parse_common(body: dict, chat: bool) -> dict:
     return p
 
 
-ROLES = {"system", "user", "assistant", "tool", "developer"}
-
-
 def _parse_messages(msgs) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages must be a non-empty list", "messages")
@@ -476,9 +501,10 @@ def _parse_messages(msgs) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(f"{where} must be an object", "messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", "messages")
+        try:
+            role = check_role(m.get("role"), f"{where}.role")
+        except ValueError as e:
+            raise _bad(str(e), "messages") from None
         content = m.get("content")
         if content is None:
             content = ""
@@ -492,7 +518,7 @@ def _parse_messages(msgs) -> list[dict]:
             content = "\n".join(parts)
         elif not isinstance(content, str):
             raise _bad(f"{where}.content must be a string or a list of text parts", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": role, "content": content})
     return out
 
 
@@ -550,29 +576,13 @@ class _Logprobs:
         return d, offset
 
 
-def _merge(deltas: list[Delta]) -> Delta:
-    if len(deltas) == 1:
-        return deltas[0]
-    out = Delta()
-    texts = []
-    for d in deltas:
-        texts.append(d.text)
-        out.tokens.extend(d.tokens)
-        if d.logprobs is not None:
-            out.logprobs = (out.logprobs or []) + d.logprobs
-        out.finish_reason = out.finish_reason or d.finish_reason
-        out.error = out.error or d.error
-    out.text = "".join(texts)
-    return out
-
-
 async def _next(q: asyncio.Queue) -> Delta:
     """The next Delta, merged with any others already queued (a slow reader gets fewer,
     bigger chunks)."""
     got = [await q.get()]
     while not got[-1].final and not q.empty():
         got.append(q.get_nowait())
-    return _merge(got)
+    return Delta.merge(got)
 
 
 async def _watch_disconnect(receive, sched: Scheduler, req) -> None:
@@ -589,8 +599,28 @@ async def _watch_disconnect(receive, sched: Scheduler, req) -> None:
         return
 
 
+async def _tokenized(fn: Callable[..., list[int]], *args, param: str) -> list[int]:
+    """Token ids from ``fn(*args)`` run in a worker thread; a refusal is a 400. The error
+    crosses back as a message, not as an exception: an exception carried through the thread
+    pool's future forms a reference cycle (future -> exception -> traceback -> the frame that
+    awaited the future) that keeps a large request's parsed body and rendered prompt alive
+    until a full garbage collection, which may never come."""
+    def call():
+        try:
+            return fn(*args), None
+        except (ValueError, TypeError) as e:
+            return None, str(e)
+
+    ids, err = await run_in_threadpool(call)
+    if err is not None:
+        raise _bad(err, param)
+    return ids
+
+
 def _delta_error(d: Delta) -> ApiError:
     e = d.error
+    if isinstance(e, EngineFailed):
+        return ApiError(500, f"the engine failed: {e}", None, "engine_failed")
     if isinstance(e, SchedulerClosed):
         return ApiError(503, str(e), code="shutting_down")
     if isinstance(e, ValueError):
@@ -600,15 +630,18 @@ def _delta_error(d: Delta) -> ApiError:
 
 # -- the app -----------------------------------------------------------------------------
 def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] | None = None,
-               on_load_error: Callable[[BaseException], None] | None = None):
+               on_load_error: Callable[[BaseException], None] | None = None,
+               on_engine_failure: Callable[[BaseException], None] | None = None):
     """The ASGI app to run with uvicorn (the FastAPI app inside a guard; its ``.state`` is
     the server's state: ``.sched``, ``.engine``, ``.metrics``). Give a loaded `engine` (the
     app schedules it but does not close it), or a `loader` that returns one: it runs in a
     thread at startup (/ready says 503 until it returns; on_load_error is told when it
-    raises) and the app closes the engine at shutdown."""
+    raises) and the app closes the engine at shutdown. When the engine fails for good (its
+    scheduler stops), every request it held gets a 500, /health and /ready answer 503, and
+    on_engine_failure is told (on the scheduler thread)."""
     if (engine is None) == (loader is None):
         raise ValueError("give exactly one of engine and loader")
-    state = _State(config, engine, loader, on_load_error)
+    state = _State(config, engine, loader, on_load_error, on_engine_failure)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -643,8 +676,16 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error").response()
 
     # -- probes --------------------------------------------------------------------------
+    # /health: the process can serve (or is still loading); 503 once the engine failed, so a
+    # liveness probe restarts it. /ready: the model is loaded and requests are served.
+    def failure() -> BaseException | None:
+        return state.engine_error or state.load_error
+
     @app.get("/health")
     async def health():
+        err = failure()
+        if err is not None:
+            return _json({"status": "failed", "error": str(err)}, 503)
         return _json({"status": "ok"})
 
     @app.get("/ready")
@@ -652,8 +693,9 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
         sched = state.sched
         if sched is not None and not sched.closed:
             return _json({"status": "ready", "model": config.model_name})
-        if state.load_error is not None:
-            return _json({"status": "failed", "error": str(state.load_error)}, 503)
+        err = failure()
+        if err is not None:
+            return _json({"status": "failed", "error": str(err)}, 503)
         return _json({"status": "shutting_down" if state.stopping else "loading"}, 503)
 
     @app.get("/metrics")
@@ -727,9 +769,12 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
         q: asyncio.Queue = asyncio.Queue()
         kwargs = {k: v for k, v in p.items() if not k.startswith("_")}
         try:
-            req = sched.submit(ids, asyncio_sink(loop, q), max_tokens=max_tokens, **kwargs)
+            req = sched.submit(ids, asyncio_sink(loop, q), max_tokens=max_tokens, stream=p["_stream"], **kwargs)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", code="queue_full", headers={"Retry-After": "1"}) from None
+        except EngineFailed as e:
+            raise ApiError(503, f"the engine failed and this server cannot serve any more: {e}",
+                           code="engine_failed") from None
         except SchedulerClosed as e:
             raise ApiError(503, str(e), code="shutting_down") from None
         except ValueError as e:
@@ -810,7 +855,7 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
         finally:
             watcher.cancel()
             sched.cancel(req)
-        d = _merge(deltas)
+        d = Delta.merge(deltas)
         if d.error is not None:
             raise _delta_error(d)
         if d.finish_reason == "abort":
@@ -837,37 +882,144 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body, p = await parsed(request, chat=True)
-        messages = _parse_messages(body.get("messages"))
-        eng = state.engine
-        try:
-            ids = await run_in_threadpool(eng._prompt_ids, None, messages)
-        except ValueError as e:
-            raise _bad(str(e), "messages") from None
+        messages = _parse_messages(body.pop("messages", None))
+        del body  # a large request's parsed JSON is not kept alive by this frame
+        ids = await _tokenized(state.engine._prompt_ids, None, messages, param="messages")
+        del messages
         return await generate(request, True, ids, p, fit(ids, p, None))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body, p = await parsed(request, chat=False)
-        prompt = _parse_prompt(body.get("prompt"))
+        prompt = _parse_prompt(body.pop("prompt", None))
+        del body
         eng = state.engine
-        try:
-            if isinstance(prompt, str):
-                ids = await run_in_threadpool(eng.tokenize, prompt)
-            else:
+        if isinstance(prompt, str):
+            ids = await _tokenized(eng.tokenize, prompt, param="prompt")
+        else:
+            try:
                 ids = eng._token_ids(prompt)
-        except (ValueError, TypeError) as e:
-            raise _bad(str(e), "prompt") from None
+            except (ValueError, TypeError) as e:
+                raise _bad(str(e), "prompt") from None
         return await generate(request, False, ids, p, fit(ids, p, 16))
 
     return _Guard(app, state)
 
 
+# -- connections -------------------------------------------------------------------------
+def guarded_http_protocol(header_timeout: float, max_connections: int):
+    """uvicorn's h11 protocol with two limits it lacks: a connection must deliver a complete
+    request head within ``header_timeout`` seconds of opening (or of its previous response),
+    else it is closed (half-open and slowloris connections cannot pile up); and at most
+    ``max_connections`` are open at once: a new one beyond it closes the connection that has
+    been waiting longest for a request head (a flood of idle connections cannot keep real
+    clients out), or is itself refused when every other one is busy with a request."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    shed = {"count": 0, "logged": -math.inf}  # connections closed at the cap, for a rate-limited log
+
+    def note_shed(loop, victim) -> None:
+        shed["count"] += 1
+        now = loop.time()
+        if now - shed["logged"] >= 10:
+            log.warning("%d connection(s) closed in the last 10 s at the connection cap (--max-connections %d), "
+                        "the last from %s", shed["count"], max_connections, _peer(victim.client))
+            shed["count"], shed["logged"] = 0, now
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            _no_delay(transport)
+            self._head_timer = None
+            self._idle_since = self.loop.time()
+            if len(self.connections) > max_connections:  # closed ones leave the set a moment later
+                live = [c for c in self.connections if not c.transport.is_closing()]
+                if len(live) > max_connections:
+                    idle = [c for c in live if c is not self and getattr(c, "_head_timer", None)]
+                    victim = min(idle, key=lambda c: c._idle_since, default=self)
+                    note_shed(self.loop, victim)
+                    victim._cancel_head_timer()
+                    victim.transport.close()
+                    if victim is self:
+                        return
+            self._arm_head_timer()
+
+        def _arm_head_timer(self) -> None:
+            self._cancel_head_timer()
+            self._idle_since = self.loop.time()
+            self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
+
+        def _cancel_head_timer(self) -> None:
+            timer = getattr(self, "_head_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                log.debug("closing the connection from %s: no complete request head in %g s",
+                          _peer(self.client), header_timeout)
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request head arrived
+                self._cancel_head_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm_head_timer()
+
+        def connection_lost(self, exc) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+def _no_delay(transport) -> None:
+    """TCP_NODELAY on a connection. asyncio sets it only on sockets whose protocol number is
+    IPPROTO_TCP, and a listening socket made by socket.socket()/create_server() has 0, as have
+    the connections it accepts: without it every response (head and body written apart) waited
+    for the client's delayed ACK, ~40 ms per request on Linux."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+def _peer(client) -> str:
+    return f"{client[0]}:{client[1]}" if client else "?"
+
+
+def _raise_fd_limit(want: int) -> None:
+    """Lifts the soft limit on open files towards the hard one so --max-connections fits."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 # -- command line ------------------------------------------------------------------------
 def serve(*, model_name: str, loader: Callable[[], Any], host: str = "127.0.0.1", port: int = 8080,
           api_key: str | None = None, max_body_bytes: int = 8 * 2**20, max_prompt_tokens: int | None = None,
-          max_running: int = 32, max_queue: int = 64, log_level: str = "info") -> int:
+          max_running: int = 32, max_queue: int = 64, log_level: str = "info", header_timeout: float = 10.0,
+          keep_alive: float = 5.0, max_connections: int = 1024, exit_on_failure: bool = True) -> int:
     """Runs the server until SIGINT/SIGTERM (what `tensorfold serve` does). The model loads in
-    the background while the port already answers /health. Returns the exit status."""
+    the background while the port already answers /health. Returns the exit status; raises
+    when the model failed to load, or when the engine failed while serving (unless
+    ``exit_on_failure`` is False: the server then stays up answering 503)."""
     import uvicorn
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -877,6 +1029,7 @@ def serve(*, model_name: str, loader: Callable[[], Any], host: str = "127.0.0.1"
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     actual = sock.getsockname()[1]
     failed: list[BaseException] = []
+    engine_failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 
     def on_load_error(e: BaseException) -> None:
@@ -884,11 +1037,23 @@ def serve(*, model_name: str, loader: Callable[[], Any], host: str = "127.0.0.1"
         if server is not None:
             server.should_exit = True
 
+    def on_engine_failure(e: BaseException) -> None:
+        # The requests it held have their error responses queued; uvicorn's graceful
+        # shutdown lets them go out before the process exits.
+        engine_failed.append(e)
+        if exit_on_failure and server is not None:
+            print(f"tensorfold: the engine failed: {e}; exiting so that a supervisor can restart the server "
+                  f"(--no-exit-on-failure keeps it up)", file=sys.stderr, flush=True)
+            server.should_exit = True
+
     config = ServerConfig(model_name=model_name, api_key=api_key or None, max_body_bytes=max_body_bytes,
-                          max_prompt_tokens=max_prompt_tokens, max_running=max_running, max_queue=max_queue)
-    app = create_app(config, loader=loader, on_load_error=on_load_error)
+                          max_prompt_tokens=max_prompt_tokens, max_running=max_running, max_queue=max_queue,
+                          body_timeout=header_timeout)
+    app = create_app(config, loader=loader, on_load_error=on_load_error, on_engine_failure=on_engine_failure)
+    _raise_fd_limit(max_connections + 64)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
-                                           access_log=log_level == "debug"))
+                                           access_log=log_level == "debug", timeout_keep_alive=keep_alive,
+                                           http=guarded_http_protocol(header_timeout, max_connections)))
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     loopback = host in ("127.0.0.1", "::1", "localhost")
     print(f"tensorfold: serving '{model_name}' at http://{shown}:{actual}/v1 (health: /health, ready: /ready, "
@@ -925,4 +1090,6 @@ def serve(*, model_name: str, loader: Callable[[], Any], host: str = "127.0.0.1"
     if failed:
         e = failed[0]
         raise e if isinstance(e, (ValueError, OSError, RuntimeError, MemoryError)) else RuntimeError(str(e))
+    if engine_failed and exit_on_failure:
+        raise RuntimeError(f"the engine failed while serving: {engine_failed[0]}")
     return 0
