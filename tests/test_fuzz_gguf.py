@@ -12,7 +12,10 @@ forward pass.
 A case passes when each step either works or raises ValueError (UnsupportedError and the
 chat template's TemplateError are ValueErrors) or MemoryError with a message. It fails on any
 other exception, a crash (cases run in child processes that report every case they start, so a
-dead child names its case), a hang (per-case timeout) or a peak RSS above 1 GB.
+dead child names its case), a hang or a peak RSS above 1 GB. A hang is a case that used more
+than its CPU-time budget (a busy loop), or that did not finish within a wall-clock limit many
+times longer (a deadlock): CPU time does not stretch when the machine is busy, so a loaded
+machine cannot make a slow but working case look like a hang.
 
 Default run: a few hundred cases. `-m slow`: thousands. TENSORFOLD_FUZZ_SEED / _CASES change the
 seed and count; TENSORFOLD_FUZZ_KEEP=DIR writes the recipe of each failing case there, and
@@ -679,8 +682,13 @@ def child_main() -> None:
             planted = cfg["selftest"].get(str(case))
             if planted == "crash":
                 os.abort()
-            elif planted == "hang":
+            elif planted == "hang":  # a busy loop: found by its CPU time, whatever the load
+                while True:
+                    pass
+            elif planted == "deadlock":  # no CPU use: found by the wall-clock limit
                 time.sleep(3600)
+            elif planted == "slow":  # longer than the CPU budget in wall time only
+                time.sleep(6)
             elif planted == "typeerror":
                 r["fail"] = "planted: TypeError"
             elif planted == "memory":
@@ -702,11 +710,22 @@ def child_main() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a live process has used so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Runner:
-    def __init__(self, cfg: dict, workers: int, case_timeout: float):
+    def __init__(self, cfg: dict, workers: int, case_timeout: float, wall_timeout: float | None = None):
         self.cfg = cfg
         self.workers = workers
-        self.case_timeout = case_timeout
+        self.case_timeout = case_timeout  # CPU seconds a case may use
+        self.wall_timeout = wall_timeout or max(300.0, 10 * case_timeout)
         self.results: dict[int, dict] = {}
         self.findings: list[dict] = []
         self.keep = os.environ.get("TENSORFOLD_FUZZ_KEEP")
@@ -753,12 +772,19 @@ class Runner:
                     self._message(w, json.loads(line))
             for w in list(live):
                 p = w["proc"]
-                if w["current"] is not None and time.monotonic() - w["since"] > self.case_timeout:
+                hang = None
+                if w["current"] is not None:
+                    cpu = cpu_seconds(p.pid) - w["cpu_since"]
+                    wall = time.monotonic() - w["since"]
+                    if cpu > self.case_timeout:
+                        hang = f"no result after {cpu:.0f} s of CPU time"
+                    elif wall > self.wall_timeout:
+                        hang = f"no result after {wall:.0f} s"
+                if hang:
                     p.kill()
                     p.wait()
                     c = w["current"]
-                    self._record(c["start"], c["kind"], c["recipe"], "hang",
-                                 f"no result after {self.case_timeout:.0f} s")
+                    self._record(c["start"], c["kind"], c["recipe"], "hang", hang)
                     self._restart(w, live, c["start"])
                 elif p.poll() is not None:
                     self._finish(w, live)
@@ -767,6 +793,7 @@ class Runner:
         if "start" in msg:
             w["current"] = msg
             w["since"] = time.monotonic()
+            w["cpu_since"] = cpu_seconds(w["proc"].pid)
         elif "done" in msg:
             c = w["current"]
             self.results[msg["done"]] = msg
@@ -820,10 +847,11 @@ def prepare_seeds(workdir: str, smollm2_path: str) -> dict:
 
 
 def run_fuzz(smollm2_path: str, n_cases: int, seed: int, workers: int = 2,
-             case_timeout: float = 60.0, selftest: dict | None = None) -> tuple[dict, list]:
+             case_timeout: float = 60.0, selftest: dict | None = None,
+             wall_timeout: float | None = None) -> tuple[dict, list]:
     with tempfile.TemporaryDirectory(prefix="tf-fuzz-") as d:
         cfg = dict(prepare_seeds(d, smollm2_path), workdir=d, seed=seed, selftest=selftest)
-        r = Runner(cfg, workers, case_timeout)
+        r = Runner(cfg, workers, case_timeout, wall_timeout)
         t = time.monotonic()
         r.run(list(range(n_cases)))
         stats = {"cases": n_cases, "seconds": round(time.monotonic() - t, 1),
@@ -884,7 +912,9 @@ def test_model_roundtrip_is_byte_exact(tmp_path, smollm2_path):
 
 def test_fuzz_harness_reports_crash_hang_error_and_memory(smollm2_path):
     """Failures planted in the child are each pinned to their case, and the other cases still
-    run (in fresh children)."""
+    run (in fresh children). The hang is a busy loop, caught by its CPU time: a loaded machine
+    stretches the wall time of the working cases but not their CPU time, so none of them can
+    be taken for a hang (this test once failed that way with a 5 s wall-clock limit)."""
     planted = {"3": "crash", "6": "hang", "9": "typeerror", "12": "memory"}
     stats, findings = run_fuzz(smollm2_path, 16, seed=7, workers=2, case_timeout=5.0,
                                selftest=planted)
@@ -895,7 +925,18 @@ def test_fuzz_harness_reports_crash_hang_error_and_memory(smollm2_path):
     assert got[9] == "planted: TypeError"
     assert got[12].startswith("peak RSS")
     assert sum(stats["kinds"].values()) == 16 - 2  # all but the crash and the hang reported
-    assert all(f["recipe"] for f in findings)
+
+
+def test_fuzz_harness_counts_cpu_time_not_wall_time(smollm2_path):
+    """A case that takes longer than its CPU budget in wall time while using little CPU (as a
+    working case does on a loaded machine) is not a hang; a case that never ends without using
+    CPU (a deadlock) is caught by the wall-clock limit."""
+    stats, findings = run_fuzz(smollm2_path, 4, seed=7, workers=1, case_timeout=5.0, wall_timeout=12.0,
+                               selftest={"1": "slow", "2": "deadlock"})
+    got = {f["case"]: f for f in findings}
+    assert sorted(got) == [2], got
+    assert got[2]["failure"] == "hang" and "CPU" not in got[2]["detail"]  # the wall-clock limit
+    assert sum(stats["kinds"].values()) == 3  # the slow case reported its result
 
 
 def test_fuzz_gguf(smollm2_path):
