@@ -113,10 +113,12 @@ def _rejected_requests_rss_growth(srv: Serve, n: int) -> float:
 
 def test_rejected_large_requests_give_their_memory_back(serve):
     """Each such request used to keep ~150 MB alive (an exception carried through the thread
-    pool formed a reference cycle holding the parsed body and the rendered prompt)."""
+    pool formed a reference cycle holding the parsed body and the rendered prompt): 8 of them
+    grew the server by ~1.2 GB. Now the allocator's high-water mark of one request (~100 MB,
+    kept for reuse) is all that stays."""
     srv = serve("-c", "512")
     grew = _rejected_requests_rss_growth(srv, 8)
-    assert grew < 120, f"RSS grew by {grew:.0f} MiB over 8 rejected requests"
+    assert grew < 200, f"RSS grew by {grew:.0f} MiB over 8 rejected requests"
 
 
 @pytest.mark.slow

@@ -84,7 +84,6 @@ def test_stray_connections_are_rejected_and_the_worker_keeps_listening(smollm2_p
     worker = start_worker(smollm2_path, port)
     try:
         wait_listening(port, worker)
-        ports = []
         for payload in (b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n",  # garbage (a 542 MB "length")
                         struct.pack("<I", 2**31) + b"\0" * 16,       # a 2^31 length prefix
                         struct.pack("<I", 6) + b"hello!",           # a short non-protocol message
@@ -239,7 +238,6 @@ def test_a_rejection_flood_is_summarised_never_silenced(smollm2_path, monkeypatc
     worker = start_worker(smollm2_path, port)
     try:
         wait_listening(port, worker)
-        ports = []
         for _ in range(35):
             _reject_and_wait(port, b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n")
         eng = tensorfold.Engine(smollm2_path, threads=1, context=CONTEXT, tp=2, rank=0,
