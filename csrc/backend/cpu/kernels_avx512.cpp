@@ -135,7 +135,7 @@ void g32_tile(int64_t k, const uint8_t* w, size_t ws, const uint8_t* xq, size_t 
     WReg wr[NR];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* p = w + size_t(r) * ws + size_t(2 * g) * F::bytes;
-      if (NC == 1) pf(p);
+      pf(p);  // every tile: small column counts stream the weights as GEMV does
       unpack_w<T, true>(p, wr[r]);
     }
     for (int c = 0; c < NC; ++c) {
