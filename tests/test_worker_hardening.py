@@ -84,6 +84,7 @@ def test_stray_connections_are_rejected_and_the_worker_keeps_listening(smollm2_p
     worker = start_worker(smollm2_path, port)
     try:
         wait_listening(port, worker)
+        ports = []
         for payload in (b"GET / HTTP/1.1\r\nHost: worker\r\n\r\n",  # garbage (a 542 MB "length")
                         struct.pack("<I", 2**31) + b"\0" * 16,       # a 2^31 length prefix
                         struct.pack("<I", 6) + b"hello!",           # a short non-protocol message
