@@ -28,6 +28,19 @@ void dequantize_row_q4_K_ref(const void* src, float* dst, int64_t n);
 void dequantize_row_q5_K_ref(const void* src, float* dst, int64_t n);
 void dequantize_row_q6_K_ref(const void* src, float* dst, int64_t n);
 void dequantize_row_q8_K_ref(const void* src, float* dst, int64_t n);
+// quant/reference_iq.cpp
+void dequantize_row_iq1_s_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_iq1_m_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_iq2_xxs_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_iq2_xs_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_iq2_s_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_iq3_xxs_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_iq3_s_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_iq4_nl_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_iq4_xs_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_mxfp4_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_tq1_0_ref(const void* src, float* dst, int64_t n);
+void dequantize_row_tq2_0_ref(const void* src, float* dst, int64_t n);
 
 void quantize_row_f32_ref(const float* src, void* dst, int64_t n);
 void quantize_row_f16_ref(const float* src, void* dst, int64_t n);

@@ -1,13 +1,13 @@
-// One traits table for every weight format: the single place a format is described — block
-// geometry, scalar reference (de)quantization, the activation layout it multiplies with and
-// its CPU kernel per ISA. Adding a format = its kernel file (backend/cpu/formats/) plus one
-// row in traits.cpp; "supported" means exactly "has a row with kernels".
+// The core format table: one row per weight format (block geometry, scalar reference
+// (de)quantization, the importance-weighted quantizer). It knows no backend: each backend has
+// its own kernel table for the formats it computes with (CPU: backend/cpu/kernel_table.h) and
+// refuses the others by name at load. Adding a format = a row here with its reference, and a
+// kernel file per backend that computes with it.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
-#include "backend/cpu/cpu_kernels.h"
 #include "core/dtype.h"
 
 namespace tf {
@@ -25,8 +25,10 @@ struct TypeTraits {
   // Importance-weighted quantization of one row (quant/quantizers/quantizers.h): minimises
   // sum_i w[i] (x[i] - dequantized[i])^2; nullptr where the format cannot be written.
   void (*quantize_weighted)(const float* x, const float* w, void* dst, int64_t n);
-  cpu::CpuKernels cpu;     // cpu.scalar == nullptr: weights of this type cannot be computed with
-  bool computable() const { return cpu.scalar != nullptr; }
+  // A weight format the engine computes with (a backend may still lack it and refuse it by
+  // name); false: known for its sizes only, or an activation format (Q8_1, Q8_K).
+  bool weight_format;
+  bool computable() const { return weight_format; }
 };
 
 // Traits for any ggml type id we know the layout of (computable or not); nullptr otherwise.

@@ -1,4 +1,4 @@
-// What the traits table (quant/traits.h) records about a format's CPU kernels: the layout of
+// What the CPU kernel table (backend/cpu/kernel_table.h) records about a format: the layout of
 // the activation rows it multiplies with and one matmul entry point per ISA.
 #pragma once
 #include <cstddef>

@@ -1,7 +1,8 @@
 // Public CPU kernel entry points: validate cheaply, then dispatch through the format's row
-// of the traits table to the best ISA this CPU has.
+// of the CPU kernel table to the best ISA this CPU has.
 #include "backend/cpu/kernels.h"
 
+#include "backend/cpu/kernel_table.h"
 #include "backend/cpu/kernels_internal.h"
 #include "core/error.h"
 #include "quant/traits.h"
@@ -12,20 +13,21 @@ using detail::ActKind;
 
 namespace {
 
-const TypeTraits& checked(GgmlType wt, int64_t k) {
+const CpuKernels& checked(GgmlType wt, int64_t k) {
   const TypeTraits* tr = find_type_traits(uint32_t(wt));
-  if (tr == nullptr || !tr->computable())
+  const CpuKernels* kern = find_kernels(wt);
+  if (tr == nullptr || kern == nullptr)
     fail(ErrorKind::Unsupported, "cpu kernels: no kernel for weight type ",
          tr ? tr->name : ("id " + std::to_string(uint32_t(wt))).c_str(), " (supported: ", computable_type_names(), ")");
   TF_CHECK(k > 0 && k % tr->block_size == 0, "cpu kernels: k=", k,
            " must be a positive multiple of the block size ", tr->block_size, " of ", tr->name);
-  return *tr;
+  return *kern;
 }
 
-MatmulFn fn_for(CpuIsa isa, const TypeTraits& tr) {
-  if (isa == CpuIsa::Avx512 && tr.cpu.avx512) return tr.cpu.avx512;
-  if (isa >= CpuIsa::Avx2 && tr.cpu.avx2) return tr.cpu.avx2;
-  return tr.cpu.scalar;
+MatmulFn fn_for(CpuIsa isa, const CpuKernels& kern) {
+  if (isa == CpuIsa::Avx512 && kern.avx512) return kern.avx512;
+  if (isa >= CpuIsa::Avx2 && kern.avx2) return kern.avx2;
+  return kern.scalar;
 }
 
 void quant_for(CpuIsa isa, ActKind kind, const float* x, void* xq, int64_t k) {
@@ -41,13 +43,13 @@ void quant_for(CpuIsa isa, ActKind kind, const float* x, void* xq, int64_t k) {
 }  // namespace
 
 ActLayout act_layout(GgmlType wt) {
-  const TypeTraits* tr = find_type_traits(uint32_t(wt));
-  if (tr == nullptr || !tr->computable()) checked(wt, 1);  // throws the message
-  return tr->cpu.act;
+  const CpuKernels* kern = find_kernels(wt);
+  if (kern == nullptr) checked(wt, 1);  // throws the message
+  return kern->act;
 }
 
 size_t act_row_bytes(GgmlType wt, int64_t k) {
-  switch (checked(wt, k).cpu.act) {
+  switch (checked(wt, k).act) {
     case ActKind::F32: return size_t(k) * 4;
     case ActKind::Q8_32: return detail::g32_row_bytes(k);
     case ActKind::Q8_256: return size_t(k / 256) * sizeof(detail::ActK);
@@ -56,16 +58,16 @@ size_t act_row_bytes(GgmlType wt, int64_t k) {
 }
 
 void quantize_act_row(GgmlType wt, const float* x, void* xq, int64_t k) {
-  quant_for(best_isa(), checked(wt, k).cpu.act, x, xq, k);
+  quant_for(best_isa(), checked(wt, k).act, x, xq, k);
 }
 
 void quantize_act_row_scalar(GgmlType wt, const float* x, void* xq, int64_t k) {
-  detail::quantize_scalar(checked(wt, k).cpu.act, x, xq, k);
+  detail::quantize_scalar(checked(wt, k).act, x, xq, k);
 }
 
 void matmul_rows(GgmlType wt, int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1,
                  const void* xq, size_t xq_stride, int64_t ncols, float* y, int64_t ldy) {
-  const TypeTraits& tr = checked(wt, k);
+  const CpuKernels& tr = checked(wt, k);
   if (r1 <= r0 || ncols <= 0) return;
   fn_for(best_isa(), tr)(k, w, w_stride, r0, r1, xq, xq_stride, ncols, y, ldy);
 }
@@ -73,9 +75,9 @@ void matmul_rows(GgmlType wt, int64_t k, const void* w, size_t w_stride, int64_t
 void matmul_rows_scalar(GgmlType wt, int64_t k, const void* w, size_t w_stride, int64_t r0,
                         int64_t r1, const void* xq, size_t xq_stride, int64_t ncols, float* y,
                         int64_t ldy) {
-  const TypeTraits& tr = checked(wt, k);
+  const CpuKernels& tr = checked(wt, k);
   if (r1 <= r0 || ncols <= 0) return;
-  tr.cpu.scalar(k, w, w_stride, r0, r1, xq, xq_stride, ncols, y, ldy);
+  tr.scalar(k, w, w_stride, r0, r1, xq, xq_stride, ncols, y, ldy);
 }
 
 const char* kernel_isa() { return isa_name(best_isa()); }
@@ -96,14 +98,14 @@ bool isa_available(CpuIsa isa) {
 
 void quantize_act_row_isa(CpuIsa isa, GgmlType wt, const float* x, void* xq, int64_t k) {
   TF_CHECK(isa_available(isa), "cpu kernels: this CPU/build lacks ISA ", isa_name(isa));
-  quant_for(isa, checked(wt, k).cpu.act, x, xq, k);
+  quant_for(isa, checked(wt, k).act, x, xq, k);
 }
 
 void matmul_rows_isa(CpuIsa isa, GgmlType wt, int64_t k, const void* w, size_t w_stride,
                      int64_t r0, int64_t r1, const void* xq, size_t xq_stride, int64_t ncols,
                      float* y, int64_t ldy) {
   TF_CHECK(isa_available(isa), "cpu kernels: this CPU/build lacks ISA ", isa_name(isa));
-  const TypeTraits& tr = checked(wt, k);
+  const CpuKernels& tr = checked(wt, k);
   if (r1 <= r0 || ncols <= 0) return;
   fn_for(isa, tr)(k, w, w_stride, r0, r1, xq, xq_stride, ncols, y, ldy);
 }

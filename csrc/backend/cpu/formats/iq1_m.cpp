@@ -6,6 +6,7 @@
 //   w = d * (2 s_k + 1) * (grid + delta).
 // Decoded as q = 8 * grid ± 1 (|q| <= 9), sc = 2 s_k + 1, d / 8 — all exact.
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
 
@@ -13,14 +14,8 @@ namespace tf::cpu::iq1_m {
 
 namespace {
 using detail::ld16;
-constexpr size_t kBytes = 56;
+using namespace ::tf::quant::iq1_m;  // the block layout (quant/iq_layout.h)
 
-inline uint16_t d_bits(const uint8_t* b) {
-  return uint16_t((ld16(b + 48) >> 12) | ((ld16(b + 50) >> 8) & 0x00F0u) | ((ld16(b + 52) >> 4) & 0x0F00u) |
-                  (ld16(b + 54) & 0xF000u));
-}
-inline int scale(const uint8_t* b, int k) { return (ld16(b + 48 + 2 * (k / 4)) >> (3 * (k % 4))) & 7; }
-inline uint32_t nibble(const uint8_t* b, int g) { return (b[32 + g / 2] >> (4 * (g & 1))) & 0xFu; }
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int g = 0; g < 32; ++g) {
@@ -90,21 +85,6 @@ TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
 constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: dl = d * float(2s + 1); w = dl * (grid + delta).
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(d_bits(p));
-    for (int g = 0; g < 32; ++g) {
-      const float dl = d * float(2 * scale(p, g / 2) + 1);
-      const uint32_t nb = nibble(p, g);
-      const uint64_t grid = iq::kIq1sGrid[p[g] | (nb & 7) << 8];
-      const float delta = (nb & 8) ? -0.125f : 0.125f;
-      for (int j = 0; j < 8; ++j) dst[256 * b + 8 * g + j] = dl * (float(int8_t(grid >> (8 * j))) + delta);
-    }
-  }
-}
 
 #if defined(TF_HAVE_X86_KERNELS)
 namespace {

@@ -6,6 +6,7 @@
 // Decoded as q = 8 * grid ± 1 (|q| <= 9), sc = 2s + 1 (per 32 weights: both 16-halves),
 // d / 8 — all exact.
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
 
@@ -13,10 +14,8 @@ namespace tf::cpu::iq1_s {
 
 namespace {
 using detail::ld16;
-constexpr size_t kBytes = 50;
+using namespace ::tf::quant::iq1_s;  // the block layout (quant/iq_layout.h)
 
-// Grid index of group l (0..3) of a sub-block: 8 low bits from qs, 3 high bits from qh.
-inline uint32_t grid_index(const uint8_t* qs, uint32_t h, int l) { return qs[l] | ((h >> (3 * l)) & 7u) << 8; }
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   const uint8_t* qs = b + 2;
@@ -56,24 +55,6 @@ TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
 constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: dl = d * float(2s + 1); w = dl * (grid + delta).
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(ld16(p));
-    for (int ib = 0; ib < 8; ++ib) {
-      const uint32_t h = ld16(p + 34 + 2 * ib);
-      const float dl = d * float(2 * ((h >> 12) & 7) + 1);
-      const float delta = (h & 0x8000u) ? -0.125f : 0.125f;
-      for (int l = 0; l < 4; ++l) {
-        const uint64_t g = iq::kIq1sGrid[grid_index(p + 2 + 4 * ib, h, l)];
-        for (int j = 0; j < 8; ++j)
-          dst[256 * b + 32 * ib + 8 * l + j] = dl * (float(int8_t(g >> (8 * j))) + delta);
-      }
-    }
-  }
-}
 
 #if defined(TF_HAVE_X86_KERNELS)
 namespace {

@@ -9,6 +9,7 @@
 //                 high nibble that of weights 32s+16..32s+31
 // w = d * (0.5 + u) * 0.25 * grid * sign = (d/8) * (2u + 1) * (±grid).
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
 
@@ -16,15 +17,10 @@ namespace tf::cpu::iq2_s {
 
 namespace {
 using detail::ld16;
-constexpr size_t kBytes = 82;
+using namespace ::tf::quant::iq2_s;  // the block layout (quant/iq_layout.h)
+using ::tf::quant::ld64;
 
-uint64_t ld64(const uint8_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
 
-uint32_t grid_index(const uint8_t* b, int g) { return b[2 + g] | ((b[66 + g / 4] >> (2 * (g % 4))) & 3u) << 8; }
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int g = 0; g < 32; ++g) {
@@ -152,24 +148,6 @@ struct Block {
 
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: db = d * (0.5 + u) * 0.25, then (db * grid) * sign.
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(ld16(p));
-    for (int g = 0; g < 32; ++g) {
-      const int u = (p[74 + g / 4] >> (4 * ((g / 2) & 1))) & 0xF;
-      const float db = d * (0.5f + float(u)) * 0.25f;
-      const uint8_t signs = p[34 + g];
-      const uint64_t grid = iq::kIq2sGrid[grid_index(p, g)];
-      for (int m = 0; m < 8; ++m) {
-        const float w = db * float((grid >> (8 * m)) & 0xFF);
-        dst[256 * b + 8 * g + m] = signs >> m & 1 ? -w : w;
-      }
-    }
-  }
-}
 
 }  // namespace tf::cpu::iq2_s
 

@@ -9,6 +9,7 @@
 //                               weight 32s + 8l + m negative; bits 28..31 the scale u
 // w = d * (0.5 + u) * 0.25 * grid * sign = (d/8) * (2u + 1) * (±grid).
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
 
@@ -17,7 +18,7 @@ namespace tf::cpu::iq2_xxs {
 namespace {
 using detail::ld16;
 using detail::ld32;
-constexpr size_t kBytes = 66;
+using namespace ::tf::quant::iq2_xxs;  // the block layout (quant/iq_layout.h)
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int s = 0; s < 8; ++s) {
@@ -143,27 +144,6 @@ struct Block {
 
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: db = d * (0.5 + u) * 0.25, then (db * grid) * sign.
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(ld16(p));
-    for (int s = 0; s < 8; ++s) {
-      const uint8_t* rec = p + 2 + 8 * s;
-      const uint32_t aux = ld32(rec + 4);
-      const float db = d * (0.5f + float(aux >> 28)) * 0.25f;
-      for (int l = 0; l < 4; ++l) {
-        const uint8_t signs = iq::kSignsIq2xs[(aux >> (7 * l)) & 127];
-        const uint64_t g = iq::kIq2xxsGrid[rec[l]];
-        for (int m = 0; m < 8; ++m) {
-          const float v = db * float((g >> (8 * m)) & 0xFF);
-          dst[256 * b + 32 * s + 8 * l + m] = signs >> m & 1 ? -v : v;
-        }
-      }
-    }
-  }
-}
 
 }  // namespace tf::cpu::iq2_xxs
 

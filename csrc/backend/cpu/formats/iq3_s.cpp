@@ -7,6 +7,7 @@
 //   bytes 106..109  scales: nibble s (low nibble first) is u of sub-block s
 // w = d * (1 + 2u) * grid * sign.
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
 
@@ -14,14 +15,9 @@ namespace tf::cpu::iq3_s {
 
 namespace {
 using detail::ld16;
-constexpr size_t kBytes = 110;
-constexpr int kQs = 2, kQh = 66, kSigns = 74, kScales = 106;
+using namespace ::tf::quant::iq3_s;  // the block layout (quant/iq_layout.h)
 
-inline uint32_t grid_entry(const uint8_t* b, int k) {
-  return iq::kIq3sGrid[b[kQs + k] | ((b[kQh + k / 8] >> (k % 8)) & 1) << 8];
-}
 
-inline int scale_u(const uint8_t* b, int s) { return (b[kScales + s / 2] >> (4 * (s % 2))) & 15; }
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int k = 0; k < 64; ++k) {
@@ -91,23 +87,6 @@ struct Block {
 constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: db = d * (1 + 2u), then (db * grid) * sign.
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(ld16(p));
-    for (int k = 0; k < 64; ++k) {
-      const float db = d * float(1 + 2 * scale_u(p, k / 8));
-      const uint32_t g = grid_entry(p, k);
-      for (int m = 0; m < 4; ++m) {
-        const int i = 4 * k + m;
-        const float v = db * float((g >> (8 * m)) & 0xFF);
-        dst[256 * b + i] = (p[kSigns + i / 8] >> (i % 8)) & 1 ? -v : v;
-      }
-    }
-  }
-}
 
 }  // namespace tf::cpu::iq3_s
 

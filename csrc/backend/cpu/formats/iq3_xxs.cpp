@@ -7,6 +7,7 @@
 //                 32s+8l+7, bit m set = weight 32s+8l+m negative; bits 28..31 the scale u
 // w = d * (0.5 + u) * 0.5 * grid * sign = (d/4) * (2u + 1) * (±grid).
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
 
@@ -15,7 +16,7 @@ namespace tf::cpu::iq3_xxs {
 namespace {
 using detail::ld16;
 using detail::ld32;
-constexpr size_t kBytes = 98;
+using namespace ::tf::quant::iq3_xxs;  // the block layout (quant/iq_layout.h)
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int s = 0; s < 8; ++s) {
@@ -141,26 +142,6 @@ struct Block {
 
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: db = d * (0.5 + u) * 0.5, then (db * grid) * sign.
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(ld16(p));
-    for (int s = 0; s < 8; ++s) {
-      const uint32_t aux = ld32(p + 66 + 4 * s);
-      const float db = d * (0.5f + float(aux >> 28)) * 0.5f;
-      for (int l = 0; l < 4; ++l) {
-        const uint8_t signs = iq::kSignsIq2xs[(aux >> (7 * l)) & 127];
-        for (int m = 0; m < 8; ++m) {
-          const float g = float((iq::kIq3xxsGrid[p[2 + 8 * s + 2 * l + m / 4]] >> (8 * (m % 4))) & 0xFF);
-          const float v = db * g;
-          dst[256 * b + 32 * s + 8 * l + m] = signs >> m & 1 ? -v : v;
-        }
-      }
-    }
-  }
-}
 
 }  // namespace tf::cpu::iq3_xxs
 

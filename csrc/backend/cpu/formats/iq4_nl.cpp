@@ -2,6 +2,7 @@
 // non-linear level table (low nibbles: weights 0..15, high nibbles: 16..31);
 // w = d * kValuesIq4nl[index].
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
 
@@ -9,7 +10,7 @@ namespace tf::cpu::iq4_nl {
 
 namespace {
 using detail::ld16;
-constexpr size_t kBytes = 18;
+using namespace ::tf::quant::iq4_nl;  // the block layout (quant/iq_layout.h)
 
 void decode_scalar(const uint8_t* b, detail::Decoded32* u) {
   u->d = fp16_to_fp32(ld16(b));
@@ -33,18 +34,6 @@ TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded32* u) {
 constexpr detail::Decode32Fn decode_avx2 = decode_scalar;
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: float(d) * float(level).
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 32; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(ld16(p));
-    for (int j = 0; j < 16; ++j) {
-      dst[32 * b + j] = d * float(iq::kValuesIq4nl[p[2 + j] & 0xF]);
-      dst[32 * b + j + 16] = d * float(iq::kValuesIq4nl[p[2 + j] >> 4]);
-    }
-  }
-}
 
 }  // namespace tf::cpu::iq4_nl
 

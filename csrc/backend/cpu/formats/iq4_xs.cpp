@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
 
@@ -19,13 +20,8 @@ namespace tf::cpu::iq4_xs {
 
 namespace {
 using detail::ld16;
-constexpr size_t kBytes = 136;
+using namespace ::tf::quant::iq4_xs;  // the block layout (quant/iq_layout.h)
 
-int scale6(const uint8_t* b, int ib) {
-  const int lo = (b[4 + ib / 2] >> (4 * (ib & 1))) & 0xF;
-  const int hi = (ld16(b + 2) >> (2 * ib)) & 3;
-  return (lo | (hi << 4)) - 32;
-}
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int ib = 0; ib < 8; ++ib) {
@@ -142,23 +138,6 @@ TF_TARGET_AVX2 void matmul_avx2(TF_MATMUL_PARAMS) {
 }
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: dl = float(d) * float(ls - 32); w = dl * float(level).
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(ld16(p));
-    for (int ib = 0; ib < 8; ++ib) {
-      const float dl = d * float(scale6(p, ib));
-      const uint8_t* qs = p + 8 + 16 * ib;
-      float* o = dst + 256 * b + 32 * ib;
-      for (int j = 0; j < 16; ++j) {
-        o[j] = dl * float(iq::kValuesIq4nl[qs[j] & 0xF]);
-        o[j + 16] = dl * float(iq::kValuesIq4nl[qs[j] >> 4]);
-      }
-    }
-  }
-}
 
 void scalar(TF_MATMUL_PARAMS) { detail::matmul_d256_scalar<decode_scalar, kBytes>(TF_MATMUL_ARGS); }
 #if defined(TF_HAVE_X86_KERNELS)

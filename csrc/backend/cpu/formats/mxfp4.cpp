@@ -4,18 +4,15 @@
 // w = e8m0_half(e) * kValuesMxfp4[code], e8m0_half(e) = 2^(e - 128) as a float32 bit
 // pattern (subnormal for e < 2; every byte value is a finite scale).
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 #include "quant/tables/iq_tables.h"
 
 namespace tf::cpu::mxfp4 {
 
 namespace {
-constexpr size_t kBytes = 17;
+using namespace ::tf::quant::mxfp4;  // the block layout (quant/iq_layout.h)
 
-// ggml's "e8m0 to fp32 half", computed on the bit pattern exactly as gguf.quants does.
-float e8m0_half(uint8_t e) {
-  return bits_to_f32(e < 2 ? uint32_t(0x00200000) << e : uint32_t(e - 1) << 23);
-}
 
 void decode_scalar(const uint8_t* b, detail::Decoded32* u) {
   u->d = e8m0_half(b[0]);
@@ -94,18 +91,6 @@ TF_TARGET_AVX2 void matmul_avx2(TF_MATMUL_PARAMS) {
 }
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: e8m0_half(e) * float(level).
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 32; ++b, p += kBytes) {
-    const float d = e8m0_half(p[0]);
-    for (int j = 0; j < 16; ++j) {
-      dst[32 * b + j] = d * float(iq::kValuesMxfp4[p[1 + j] & 0xF]);
-      dst[32 * b + j + 16] = d * float(iq::kValuesMxfp4[p[1 + j] >> 4]);
-    }
-  }
-}
 
 }  // namespace tf::cpu::mxfp4
 

@@ -12,24 +12,15 @@
 #include <vector>
 
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 
 namespace tf::cpu::tq1_0 {
 
 namespace {
 using detail::ld16;
-constexpr size_t kBytes = 54;
-constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
+using namespace ::tf::quant::tq1_0;  // the block layout (quant/iq_layout.h)
 
-// Weight i's code - 1 (in -1..1).
-int trit(const uint8_t* b, int i) {
-  uint8_t q, m;
-  if (i < 160) q = b[i % 32], m = kPow3[i / 32];
-  else if (i < 240) q = b[32 + (i - 160) % 16], m = kPow3[(i - 160) / 16];
-  else q = b[48 + (i - 240) % 4], m = kPow3[(i - 240) / 4];
-  const uint8_t v = uint8_t(q * m);
-  return ((uint16_t(v) * 3) >> 8) - 1;
-}
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int i = 0; i < 256; ++i) u->q[i] = int8_t(trit(b, i));
@@ -140,15 +131,6 @@ TF_TARGET_AVX2 void matmul_avx2(TF_MATMUL_PARAMS) {
 constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: float(d) * float(code - 1).
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(ld16(p + 52));
-    for (int i = 0; i < 256; ++i) dst[256 * b + i] = d * float(trit(p, i));
-  }
-}
 
 }  // namespace tf::cpu::tq1_0
 

@@ -2,13 +2,14 @@
 // Byte m of half h (bytes 32h .. 32h+31) holds, in bits 2l..2l+1, the code of weight
 // 128h + 32l + m; w = d * (code - 1).
 #include "backend/cpu/decoded.h"
+#include "quant/iq_layout.h"
 #include "core/half.h"
 
 namespace tf::cpu::tq2_0 {
 
 namespace {
 using detail::ld16;
-constexpr size_t kBytes = 66;
+using namespace ::tf::quant::tq2_0;  // the block layout (quant/iq_layout.h)
 
 void decode_scalar(const uint8_t* b, detail::Decoded256* u) {
   for (int h = 0; h < 2; ++h)
@@ -35,18 +36,6 @@ TF_TARGET_AVX2 void decode_avx2(const uint8_t* b, detail::Decoded256* u) {
 constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
 #endif
 }  // namespace
-
-// Same operation order as gguf.quants: float(d) * float(code - 1).
-void dequantize_ref(const void* src, float* dst, int64_t n) {
-  const auto* p = static_cast<const uint8_t*>(src);
-  for (int64_t b = 0; b < n / 256; ++b, p += kBytes) {
-    const float d = fp16_to_fp32(ld16(p + 64));
-    for (int h = 0; h < 2; ++h)
-      for (int l = 0; l < 4; ++l)
-        for (int m = 0; m < 32; ++m)
-          dst[256 * b + 128 * h + 32 * l + m] = d * float(((p[32 * h + m] >> (2 * l)) & 3) - 1);
-  }
-}
 
 }  // namespace tf::cpu::tq2_0
 
