@@ -1,83 +1,196 @@
-// The seam between the model and the hardware: every operation the forward pass computes
-// goes through a Backend. Model code names weights, activations and cache rows; a backend
-// decides how products, attention, norms and RoPE run (CPU: runtime-dispatched AVX-512 / AVX2
-// / scalar kernels on the thread pool). A new backend (CUDA, NEON) implements this interface;
-// the model does not change.
+// The seam between the model and the hardware. Model code names weights, activations and
+// cache rows; a backend decides where they live and how every operation of a forward pass
+// runs. Operations work on batches of T rows at once (one call per layer and op, never per
+// row), so a device backend launches a kernel per op and a CPU backend runs one parallel
+// section per op on the threads it owns. Pointers given to an op are memory of this backend
+// (Buffer: host, device or unified); weights are described by Weight and made usable by the
+// backend at load (on a unified-memory machine, the mapped file in place).
+//
+// A backend is chosen when the engine is built (make_backend: "cpu", "cuda", "auto"). Adding
+// one = implementing this interface; model code does not change. This header names no ISA and
+// includes nothing of any backend.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
 
-#include "backend/cpu/attention.h"
-#include "backend/cpu/cpu_kernels.h"
+#include "backend/buffer.h"
 #include "core/dtype.h"
-#include "core/thread_pool.h"
+#include "kv/kv_spec.h"
+#include "moe/router.h"
 
 namespace tf {
 
-// The activation layout a weight type multiplies with (activations quantized to it once per
-// row; weights of different types that share a layout share the row).
-using ActLayout = cpu::ActLayout;
-constexpr size_t kActLayouts = 3;  // ActLayout values
-// Paged K/V rows of one (layer, cache head) as attention reads them.
-using PagedKv = cpu::PagedKv;
-constexpr int kAttentionBlockRows = cpu::kAttentionBlockRows;
-
-// A 2-D weight matrix: `rows` rows of `k` elements, row-major.
+// A 2-D weight matrix: `rows` rows of `k` elements of `type`, row-major, rows row_stride bytes
+// apart, in memory of kind `where`.
 struct Weight {
   GgmlType type = GgmlType::F32;
-  ActLayout layout = ActLayout::F32;  // of the activations it multiplies with
   int64_t k = 0, rows = 0;
   const uint8_t* data = nullptr;
   size_t row_stride = 0;
+  BufferKind where = BufferKind::Host;
 };
 
-// One matrix product of a batch: y[c * ldy + r] = W[r] . xq[c] for the rows of W.
-struct MatmulJob {
-  Weight w;
-  const uint8_t* xq;
-  size_t xq_stride;
-  int64_t ncols;
+// A stack of matrices of one type and shape (routed experts, per-head projections): matrix e
+// at first.data + e * stride.
+struct WeightStack {
+  Weight first;
+  int64_t n = 0;
+  size_t stride = 0;
+  Weight at(int64_t e) const {
+    Weight w = first;
+    w.data = first.data + size_t(e) * stride;
+    return w;
+  }
+};
+
+// One product of a group that shares its input: y[t * ldy + r] = W[r] . x[t] for every row r of
+// W and every input row t; x rows are W.k values (columns [k0, k0 + W.k) of the input rows when
+// the weight is a column view).
+struct Product {
+  const Weight* w;
   float* y;
   int64_t ldy;
+};
+
+// Products of a weight stack over input rows grouped by matrix, in one of two forms:
+// * lists (routed experts): matrix e takes the rows offsets[e] .. offsets[e + 1] - 1 of a list
+//   whose row i is x + (gather ? gather[i] : i) * ldx, and writes output row i at y + i * ldy;
+// * batches (per-head projections; offsets nullptr): matrix e takes `rows` input rows
+//   x + e * x_mat + j * ldx and writes y + e * y_mat + j * ldy.
+// Matrices [first, last) only (an expert-parallel rank's share: matrix `first` is the stack's
+// matrix 0); several stacks taking the same rows share one pass over the input.
+struct StackProduct {
+  const WeightStack* w;
+  float* y;
+  int64_t ldy;
+};
+struct Grouping {
+  const int32_t* offsets = nullptr;  // lists: n + 1 entries (host memory)
+  const int32_t* gather = nullptr;   // lists: row of x for list row i (host memory), or nullptr
+  int64_t rows = 0, x_mat = 0, y_mat = 0;  // batches
+  int64_t first = 0, last = 0;       // the matrices to run
+};
+
+// Attention of a batch of query tokens over one layer's paged cache. Token t has its query
+// heads at q + t * q_stride (the heads of cache head g consecutive: `group` per cache head,
+// head_dim values each) and reads the cache entries [begin, end[t]) of sequence seq[t] (its
+// block table in the layer's pool), begin = max(0, end[t] - window) with a window, else 0;
+// output at out + t * out_stride, v_dim values per head. Consecutive tokens of one sequence
+// (a prefill chunk) are attended causally as a block.
+struct AttentionBatch {
+  const float* q = nullptr;
+  int64_t q_stride = 0;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  int64_t T = 0;
+  const int32_t* seq = nullptr;  // host memory, T entries
+  const int64_t* end = nullptr;  // host memory, T entries
+  int64_t window = 0;            // 0: every entry before end
+  int n_cache_heads = 0, group = 1, head_dim = 0, v_dim = 0;
+  float scale = 1.f;
+};
+
+// The cache pages an attention batch reads: the layer's pool and its index in the pool.
+class KvPool;
+struct KvLayer;
+
+// MoE routing results: per token, n_used expert ids (best first) and weights; grouped by expert
+// for the products (counting sort, token order kept within an expert).
+struct Routing {
+  int32_t* ids = nullptr;       // [T][n_used]
+  float* weights = nullptr;     // [T][n_used]
+  int32_t* offsets = nullptr;   // [n_expert + 1]: expert e's rows in the grouped list
+  int32_t* rows = nullptr;      // [T * n_used]: token of grouped row i
+  int32_t* slot_of = nullptr;   // [T * n_used]: grouped row of (token, k)
+};
+
+// The working memory a backend needs for the products of one forward (quantized activations,
+// gathered rows), declared by the blocks when scratch is planned: every (weight, rows) a
+// product may have.
+struct ProductShape {
+  GgmlType type;
+  int64_t k;
+  int64_t rows;
+  bool grouped;  // a product of a weight stack (StackProduct): its own rows, gathered or batched
 };
 
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual const char* name() const = 0;
+  virtual std::string name() const = 0;     // "cpu (avx512)", ...
+  virtual int threads() const = 0;
+  // Whether weights of this type can be computed with (the others are refused by name at load).
+  virtual bool supports(GgmlType t) const = 0;
+  virtual std::string supported_types() const = 0;
+  // Host work (loading, TP) may be interrupted by Ctrl-C inside long ops when on.
+  virtual void set_interruptible(bool on) = 0;
 
-  virtual ActLayout act_layout(GgmlType wt) const = 0;
-  virtual size_t act_row_bytes(GgmlType wt, int64_t k) const = 0;
-  // Quantizes `rows` rows of x (k values each, ldx floats apart) into every layout whose bit is
-  // set in `mask` (rep[l]: a weight type of layout l; dst[l] rows stride[l] bytes apart), all
-  // layouts in one pass over the rows.
-  virtual void quantize_acts(unsigned mask, const GgmlType* rep, const float* x, int64_t rows, int64_t k,
-                             int64_t ldx, uint8_t* const* dst, const size_t* stride, ThreadPool& pool) const = 0;
-  // Every product of `jobs`, together (one parallel section).
-  virtual void matmul(const MatmulJob* jobs, size_t n_jobs, ThreadPool& pool) const = 0;
+  // -- memory ------------------------------------------------------------------------------
+  virtual Buffer alloc(size_t bytes, BufferKind kind) = 0;
+  // The backend's own working memory for products of these shapes; count_only: only the bytes.
+  virtual uint64_t reserve_products(const std::vector<ProductShape>& shapes, int64_t max_rows,
+                                    bool count_only) = 0;
+  // Copies n bytes between this backend's memory and the host (either may be host memory).
+  virtual void to_host(void* dst, const void* src, size_t n) = 0;
+  virtual void from_host(void* dst, const void* src, size_t n) = 0;
 
-  // Attention of one token's n_heads query heads (head_dim each) over positions [0, n) of one
-  // cache head; out: n_heads rows of kv.v_dim (or head_dim).
-  virtual void attention(const float* q, int n_heads, int head_dim, const PagedKv& kv, int64_t n, float scale,
-                         float* out) const = 0;
-  // The same for n_tokens consecutive tokens of a sequence from pos0, causally
-  // (n_tokens * n_heads <= kAttentionBlockRows); bit for bit what attention() gives each.
-  virtual void attention_causal(const float* q, int64_t token_stride, int n_tokens, int n_heads, int head_dim,
-                                const PagedKv& kv, int64_t pos0, float scale, float* out,
-                                int64_t out_token_stride) const = 0;
+  // -- products ----------------------------------------------------------------------------
+  // Every product of the group over T input rows (x: ldx floats apart), the input read once per
+  // representation the weights need, all products in one pass.
+  virtual void matmul(const float* x, int64_t T, int64_t ldx, const Product* ps, size_t n) = 0;
+  virtual void matmul_stack(const float* x, int64_t ldx, const Grouping& g, const StackProduct* ps, size_t n) = 0;
 
-  // y = x / rms(x) * w over n values (y may be x).
-  virtual void rmsnorm(const float* x, const float* w, float* y, int64_t n, float eps) const = 0;
-  // Rotates the first rope_dim values of v by the angles cs (cos, sin pairs), adjacent pairs
-  // or NeoX halves.
-  virtual void rope(float* v, const float* cs, int rope_dim, bool neox) const = 0;
-  // out = silu(g) * u.
-  virtual void silu_mul(int64_t n, const float* g, const float* u, float* out) const = 0;
-  // n floats into a cache row of half (f16 = true) or float.
-  virtual void store_row(const float* src, void* dst, int64_t n, bool f16) const = 0;
+  // -- rows --------------------------------------------------------------------------------
+  // y = x / rms(x) * w over n values, for T rows (w nullptr: unweighted; y may be x).
+  virtual void rmsnorm(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t T, int64_t n,
+                       float eps) = 0;
+  // Rotates the first rope_dim values of every head (n_heads per row, head_stride apart, from
+  // offset `at` within the head) of T rows by each row's angles (cs + t * ldcs: cos, sin pairs),
+  // adjacent pairs or NeoX halves; inverse: the opposite rotation.
+  virtual void rope(float* v, int64_t T, int64_t ldv, int n_heads, int64_t head_stride, int64_t at,
+                    const float* cs, int64_t ldcs, int rope_dim, bool neox, bool inverse = false) = 0;
+  // g = silu(g) * u over n values of T rows; split in (0, n): the two parts apart (as TP ranks do).
+  virtual void silu_mul(float* g, int64_t ldg, const float* u, int64_t ldu, int64_t T, int64_t n,
+                        int64_t split = 0) = 0;
+  // y += x over n values (y, x contiguous).
+  virtual void add(float* y, const float* x, int64_t n) = 0;
+  // y[t] += b over n values of T rows.
+  virtual void add_bias(float* y, int64_t ldy, const float* b, int64_t T, int64_t n) = 0;
+  // y[t] += s[t] * x[t] (sigmoid(s[t]) when `sigmoid`) over n values of T rows.
+  virtual void add_scaled(float* y, int64_t ldy, const float* x, int64_t ldx, const float* s, int64_t T, int64_t n,
+                          bool sigmoid) = 0;
+  // dst[t] = src[t] over n values of T rows; fill: dst[t][i] = v.
+  virtual void copy_rows(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t T, int64_t n) = 0;
+  virtual void fill(float* dst, int64_t n, float v) = 0;
+  // out[t] = row tokens[t] of the table (dequantized), T rows of table.k values.
+  virtual void embed(const Weight& table, const int32_t* tokens, int64_t T, float* out, int64_t ldo) = 0;
+
+  // -- cache and attention -----------------------------------------------------------------
+  // Row i of src (n values) into the cache row dst[i] (a pointer into a pool of this backend).
+  virtual void store_rows(const float* src, int64_t lds, int64_t n, void* const* dst, int64_t count, KvType t) = 0;
+  virtual void attention(const AttentionBatch& a, const KvLayer& kv) = 0;
+
+  // -- mixture of experts ------------------------------------------------------------------
+  // Routes T tokens from their router logits and groups the (token, k) pairs by expert.
+  virtual void route(const moe::RouterConfig& cfg, const float* logits, int64_t T, const Routing& r) = 0;
+  // out[t] += sum over k with expert in [lo, hi) of weight[t][k] * expert_out[slot_of[t][k]].
+  virtual void combine(float* out, int64_t ldo, const float* expert_out, int64_t lde, int64_t T, int64_t n,
+                       const Routing& r, int n_used, int lo, int hi) = 0;
 };
 
-// The CPU backend (the kernels of the ISA this machine has).
-const Backend& cpu_backend();
+struct BackendOptions {
+  std::string name = "cpu";  // "cpu", "cuda", "auto"
+  int threads = 0;           // CPU threads (0: the CPUs this process may use)
+  std::string isa;           // cpu: cap the instruction set ("scalar", "avx2", "avx512"; "": best)
+};
+
+// The backend named by the options; throws naming the available ones.
+std::unique_ptr<Backend> make_backend(const BackendOptions& opts);
+// Backends usable on this machine and build, e.g. ["cpu:avx512", "cpu:avx2", "cpu:scalar"]
+// (each entry a name[:isa] make_backend accepts): what the op tests run over.
+std::vector<std::string> available_backends();
 
 }  // namespace tf

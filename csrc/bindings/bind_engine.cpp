@@ -110,8 +110,9 @@ void bind_engine(py::module_& m) {
                        const std::string& tp_addr, const std::vector<std::string>& tp_rails,
                        double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg,
                        int64_t memory_budget, const std::string& tp_transport, double tp_wait,
-                       double tp_load_timeout, bool prefix_cache) {
+                       double tp_load_timeout, bool prefix_cache, const std::string& backend) {
              EngineOptions o;
+             o.backend = backend;
              o.memory_budget = memory_budget;
              o.prefix_cache = prefix_cache;
              o.tp.transport = tp_transport;
@@ -139,10 +140,12 @@ void bind_engine(py::module_& m) {
            py::arg("tp_rank") = 0, py::arg("tp_addr") = "", py::arg("tp_rails") = std::vector<std::string>{},
            py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false, py::arg("tp_token") = py::none(),
            py::arg("memory_budget") = 0, py::arg("tp_transport") = "tcp", py::arg("tp_wait") = 0.0,
-           py::arg("tp_load_timeout") = 3600.0, py::arg("prefix_cache") = true,
+           py::arg("tp_load_timeout") = 3600.0, py::arg("prefix_cache") = true, py::arg("backend") = "cpu",
            "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none); memory_budget: "
            "bytes this rank may use (0: the memory available now; < 0: no budget); prefix_cache: reuse the KV "
-           "blocks of earlier identical prompt prefixes")
+           "blocks of earlier identical prompt prefixes; backend: where the forward runs ('cpu', 'cpu:avx2', "
+           "'cuda', 'auto')")
+      .def_property_readonly("backend", &Engine::backend_name)
       .def_property_readonly("memory_plan", [](const Engine& e) { return memory_plan_dict(e.memory_plan()); })
       .def_static(
           "_tp_identity",

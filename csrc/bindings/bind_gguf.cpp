@@ -17,7 +17,8 @@
 #include "bindings/bindings.h"
 #include "core/error.h"
 #include "gguf/gguf_reader.h"
-#include "kv/paged_kv_cache.h"
+#include "kv/kv_cache.h"
+#include "model/model.h"
 #include "model/model_config.h"
 #include "quant/traits.h"
 
@@ -244,10 +245,15 @@ void bind_array(py::module_& m) {
 void bind_gguf(py::module_& m) {
   bind_array(m);
   m.def("kv_bytes_per_token",
-        [](const GgufFile& f, const std::string& kv_type) {
+        [](std::shared_ptr<GgufFile> f, const std::string& kv_type) {
           if (kv_type != "f16" && kv_type != "f32") throw py::value_error("kv_type must be 'f16' or 'f32'");
-          const ModelConfig c = ModelConfig::from_gguf(f);  // refuses what the engine refuses
-          return PagedKvCache::bytes_per_token(c.n_layer, c.kv_layout(), kv_type == "f32" ? KvType::F32 : KvType::F16);
+          TpShard sizes;
+          sizes.plan_only = true;
+          const Model m(f, nullptr, sizes);  // refuses what the engine refuses; reads only the header
+          uint64_t b = 0;
+          for (const KvGroupPlan& g : KvCache::plan(m.kv_specs(), 16, kv_type == "f32" ? KvType::F32 : KvType::F16, false))
+            b += g.bytes_per_token;
+          return b;
         },
         py::arg("file"), py::arg("kv_type") = "f16",
         "KV cache bytes one token takes in a TensorFold engine on this model (all layers, TP=1)");

@@ -54,21 +54,32 @@ void Engine::check_sizes(const EngineOptions& opts, int64_t n_blocks) const {
   // Sizes that cannot work on this machine at all (or overflow), named one by one, before
   // the plan is weighed against the budget.
   const ModelConfig& c = model_->config();
-  const KvLayout layout = model_->kv_layout();
-  const uint64_t per_token = PagedKvCache::bytes_per_token(c.n_layer, layout, opts.kv_type);
+  const std::vector<KvSpec> specs = model_->kv_specs();
+  const std::vector<KvGroupPlan> groups = KvCache::plan(specs, n_blocks * kKvBlockSize, opts.kv_type, false);
   const int elem = opts.kv_type == KvType::F32 ? 4 : 2;
-  std::ostringstream why;
-  why << "(kv_tokens " << n_blocks * kKvBlockSize << " x " << c.n_layer << " layers x " << layout.n_heads
-      << " KV heads x ";
-  if (layout.v_dim == layout.k_dim)
-    why << "head dim " << layout.k_dim << " x K and V";
-  else
-    why << "(K " << layout.k_dim << " + V " << layout.v_dim << ") values";
-  why << " x " << elem << " bytes)";
-  const double want_exact = double(c.n_layer) * double(layout.values_per_position()) * elem * double(n_blocks) *
-                            kKvBlockSize;
+  double want_exact = 0;
   uint64_t pool_bytes = 0;
-  if (per_token == 0 || __builtin_mul_overflow(per_token, uint64_t(n_blocks) * kKvBlockSize, &pool_bytes))
+  bool overflow = false;
+  std::ostringstream why;
+  why << "(kv_tokens " << n_blocks * kKvBlockSize << " x ";
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const KvGroupPlan& g = groups[i];
+    const KvSpec& sp = g.spec;
+    if (i) why << " + ";
+    why << g.layers.size() << " layers x " << sp.n_heads << (specs.size() && sp.v_dim == 0 ? " rows" : " KV heads") << " x ";
+    if (sp.v_dim == sp.k_dim)
+      why << "head dim " << sp.k_dim << " x K and V";
+    else if (sp.v_dim == 0)
+      why << sp.k_dim << " values";
+    else
+      why << "(K " << sp.k_dim << " + V " << sp.v_dim << ") values";
+    if (sp.compression > 1) why << " / " << sp.compression;
+    want_exact += double(g.layers.size()) * double(sp.values_per_entry()) * elem * double(n_blocks) * kKvBlockSize /
+                  double(sp.compression);
+    overflow |= g.bytes == 0 || __builtin_add_overflow(pool_bytes, g.bytes, &pool_bytes);
+  }
+  why << " x " << elem << " bytes)";
+  if (overflow)
     fail(ErrorKind::OutOfMemory, "the KV cache would need ", gib(want_exact), " ", why.str(),
          ", more than can be addressed; lower kv_tokens or context");
   const uint64_t limit = memory_limit_bytes();
@@ -82,7 +93,7 @@ void Engine::check_sizes(const EngineOptions& opts, int64_t n_blocks) const {
       (limit > 0 && logits_bytes > limit))
     fail(ErrorKind::OutOfMemory, "the logits buffer (", kMaxLogitRows, " rows x vocabulary ", c.n_vocab,
          ") does not fit in memory");
-  const double scratch = model_->scratch_bytes(max_batch_tokens_);
+  const double scratch = model_->reserve(max_batch_tokens_, context_, /*count_only=*/true);
   if (limit > 0 && double(pool_bytes) + scratch > double(limit))
     fail(ErrorKind::OutOfMemory, "activation scratch for ", max_batch_tokens_, " tokens per step (",
          gib(scratch), ") and the KV cache (", gib(double(pool_bytes)), ") exceed this machine's ",
@@ -102,6 +113,10 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   tp_ = opts.tp;
   TF_CHECK(tp_.size == 1 || tp_.size == 2, "tensor parallel size must be 1 or 2, got ", tp_.size);
   TF_CHECK(tp_.rank >= 0 && tp_.rank < tp_.size, "TP rank ", tp_.rank, " is out of range for size ", tp_.size);
+  BackendOptions bo;
+  bo.name = opts.backend;
+  bo.threads = opts.threads;
+  be_ = make_backend(bo);
   TpShard shard;
   shard.tp_compatible = tp_.compatible;
   // The model's geometry and this rank's bytes first, from views of the file (TP=2: the slice
@@ -111,9 +126,8 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   planning.size = tp_.size;
   planning.rank = tp_.rank;
   planning.plan_only = tp_.size > 1;
-  model_ = std::make_unique<LlamaModel>(file_, planning);
+  model_ = std::make_unique<Model>(file_, be_.get(), planning);
   const ModelConfig c = model_->config();  // a copy: at TP=2 the planning model is replaced below
-  const int threads = opts.threads > 0 ? opts.threads : usable_cpus();
   const EngineGeometry geometry = resolve_geometry(c, opts);
   context_ = geometry.context;
   max_batch_tokens_ = geometry.max_batch_tokens;
@@ -156,7 +170,7 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   }
   if (tp_.size == 2) load_with_heartbeat(shard);  // reads this rank's slices
   else file_->prefault();  // the mapped weights resident now, as planned, not page by page while serving
-  kv_ = std::make_unique<PagedKvCache>(c.n_layer, model_->kv_layout(), kKvBlockSize, n_blocks, opts.kv_type);
+  kv_ = std::make_unique<KvCache>(model_->kv_specs(), n_blocks * kKvBlockSize, opts.kv_type, *be_);
   kv_->prefault();
   // Rank 0 decides which blocks hold what; a follower mirrors its tables and caches nothing.
   // The hash seed is private to this engine, so nobody can aim key collisions at it.
@@ -164,11 +178,10 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     std::random_device rd;
     kv_->enable_prefix_cache((uint64_t(rd()) << 32) ^ uint64_t(rd()));
   }
-  pool_ = std::make_unique<ThreadPool>(threads);
   // Ctrl-C may stop a local forward (TP=1) or the follower (which then exits), but never
   // rank 0 of a TP pair mid-collective: that would desynchronise the pair.
-  pool_->set_interruptible(!(tp_.size == 2 && tp_.rank == 0));
-  model_->reserve(max_batch_tokens_, context_, threads);
+  be_->set_interruptible(!(tp_.size == 2 && tp_.rank == 0));
+  model_->reserve(max_batch_tokens_, context_);
   logits_.assign(size_t(kMaxLogitRows) * size_t(c.n_vocab), 0.f);
   batch_.reserve(size_t(max_batch_tokens_));
   batch_owner_.reserve(size_t(max_batch_tokens_));
@@ -178,13 +191,15 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     // per slot; blocks of a cached prefix appear in the table of every sequence sharing it).
     const int64_t M = max_batch_tokens_;
     const int64_t max_table = (context_ + kKvBlockSize - 1) / kKvBlockSize;
-    max_plan_ints_ = 2 + 6 * M + std::min<int64_t>(M, kv_->max_seqs()) * max_table;
+    max_plan_ints_ = 2 + 6 * M + std::min<int64_t>(M, kv_->max_seqs()) * kv_->n_groups() * (max_table + 1);
     slot_mark_.assign(size_t(kv_->max_seqs()), 0);
     slot_table_len_.assign(size_t(kv_->max_seqs()), 0);
     slot_table_at_.assign(size_t(kv_->max_seqs()), 0);
-    block_mark_.assign(size_t(n_blocks), 0);
-    block_shared_.assign(size_t(n_blocks), 0);
-    block_slot_.assign(size_t(n_blocks), -1);
+    int64_t most = 0;
+    for (int g = 0; g < kv_->n_groups(); ++g) most = std::max(most, kv_->group(g).n_blocks());
+    block_mark_.assign(size_t(most), 0);
+    block_shared_.assign(size_t(most), 0);
+    block_slot_.assign(size_t(most), -1);
   }
   if (tp_.size == 2 && tp_.rank == 0) heartbeat_ = std::thread(&Engine::heartbeat_loop, this);
 }
@@ -197,7 +212,7 @@ void Engine::require_leader(const char* what) const {
 
 int64_t Engine::free_kv_tokens() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return kv_->free_blocks() * kv_->block_size();
+  return kv_->free_tokens();
 }
 
 EngineStats Engine::stats() const {
@@ -205,7 +220,7 @@ EngineStats Engine::stats() const {
   EngineStats s = stats_;
   s.kv_blocks_free = kv_->empty_blocks();
   s.kv_blocks_cached = kv_->cached_blocks();
-  s.kv_blocks_used = kv_->n_blocks() - s.kv_blocks_free - s.kv_blocks_cached;
+  s.kv_blocks_used = kv_->used_blocks();
   return s;
 }
 
@@ -262,9 +277,6 @@ void Engine::release_slot(Sequence& s) {
   if (s.slot >= 0) kv_->free_sequence(s.slot);
   s.slot = -1;
   s.n_computed = 0;
-  s.n_chained = 0;
-  s.chain_block = -1;
-  s.chain_broken = false;
 }
 
 void Engine::finish(Sequence& s, StepOutput&& o, std::vector<StepOutput>& out) {
@@ -278,45 +290,6 @@ void Engine::preempt(Sequence& s) {
   // its full blocks, cached, are likely still there to be reused).
   release_slot(s);
   ++stats_.preemptions;
-}
-
-size_t Engine::attach_cached_prefix(Sequence& s) {
-  PrefixCache* pc = kv_->prefix_cache();
-  if (!pc) return 0;
-  s.chain_key = pc->root();
-  s.chain_block = -1;
-  // Whole blocks only, and never the last token: its logits are what the step samples from.
-  const size_t B = size_t(kKvBlockSize), max_blocks = (s.tokens.size() - 1) / B;
-  size_t n = 0;
-  for (; n < max_blocks; ++n) {
-    const int32_t* t = s.tokens.data() + n * B;
-    const uint64_t key = pc->chain(s.chain_key, t);
-    const int32_t b = pc->find(key, s.chain_block, t);
-    if (b < 0) break;
-    kv_->share(s.slot, b);
-    s.chain_key = key;
-    s.chain_block = b;
-  }
-  s.n_chained = n;
-  s.n_computed = n * B;
-  return n * B;
-}
-
-void Engine::register_full_blocks(Sequence& s) {
-  PrefixCache* pc = kv_->prefix_cache();
-  if (!pc || s.chain_broken || s.slot < 0) return;
-  const size_t B = size_t(kKvBlockSize), full = s.n_computed / B;
-  for (; s.n_chained < full; ++s.n_chained) {
-    const int32_t* t = s.tokens.data() + s.n_chained * B;
-    const uint64_t key = pc->chain(s.chain_key, t);
-    const int32_t b = kv_->register_block(s.slot, s.n_chained, key, s.chain_block, t);
-    if (b < 0) {
-      s.chain_broken = true;
-      return;
-    }
-    s.chain_key = key;
-    s.chain_block = b;
-  }
 }
 
 void Engine::check_weights_intact() const {
@@ -379,7 +352,12 @@ std::vector<StepOutput> Engine::step() {
     const bool new_slot = s.slot < 0;
     if (new_slot) s.slot = kv_->create_sequence();
     if (s.slot < 0) break;  // every sequence slot is taken: wait for one to finish
-    const size_t cached = new_slot ? attach_cached_prefix(s) : 0;
+    size_t cached = 0;
+    if (new_slot) {
+      // The cached blocks the sequence's tokens start with, mapped into its new tables.
+      cached = size_t(kv_->attach_prefix(s.slot, s.tokens.data(), int64_t(s.tokens.size())));
+      s.n_computed = cached;
+    }
     const size_t pending = s.tokens.size() - s.n_computed;
     const size_t chunk = std::min<size_t>(pending, size_t(budget));
     if (!kv_->reserve(s.slot, int64_t(s.n_computed + chunk))) {
@@ -423,8 +401,10 @@ std::vector<StepOutput> Engine::step() {
     Sequence& s = *batch_owner_[i];
     s.n_computed = size_t(batch_[i].pos) + 1;
     // A sequence's tokens are contiguous in the batch: after its last one, its newly full
-    // blocks (prompt and generated tokens alike) join the prefix cache.
-    if (i + 1 == batch_.size() || batch_owner_[i + 1] != &s) register_full_blocks(s);
+    // blocks (prompt and generated tokens alike) join the prefix cache, and window groups let
+    // go of what no later token reads.
+    if (i + 1 == batch_.size() || batch_owner_[i + 1] != &s)
+      kv_->advance(s.slot, s.tokens.data(), int64_t(s.n_computed));
     if (!batch_[i].want_logits) continue;
     const float* lg = logits_.data() + size_t(row++) * size_t(V);
     const int32_t tok = s.sampler.sample(lg, V);
@@ -485,6 +465,7 @@ void Engine::logits_locked(const std::vector<int32_t>& ids, float* out) {
       // Rows go straight to the caller's array (no second copy of the result).
       run_forward(batch, out ? out + b * V : logits_.data());
       check_weights_intact();
+      kv_->advance(slot, nullptr, int64_t(b + batch.size()));
     }
   } catch (...) {
     kv_->free_sequence(slot);

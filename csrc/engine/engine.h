@@ -29,12 +29,12 @@
 
 #include "comm/group.h"
 
-#include "core/thread_pool.h"
+#include "backend/backend.h"
+#include "engine/memory_plan.h"
 #include "engine/sampler.h"
 #include "gguf/gguf_reader.h"
-#include "kv/paged_kv_cache.h"
-#include "engine/memory_plan.h"
-#include "model/llama_model.h"
+#include "kv/kv_cache.h"
+#include "model/model.h"
 
 namespace tf {
 
@@ -52,6 +52,7 @@ struct TpOptions {
 };
 
 struct EngineOptions {
+  std::string backend = "cpu"; // where the forward runs: "cpu", "cuda", "auto" (cpu may say "cpu:avx2")
   int threads = 0;             // 0: the CPUs this process may use (affinity, cgroup quota)
   int64_t kv_tokens = 0;       // KV pool size in tokens; 0: max(context, 4096)
   int64_t context = 0;         // per-sequence limit; 0: min(model's trained context, 8192)
@@ -116,13 +117,14 @@ class Engine {
   // Immutable after construction: no lock needed.
   const ModelConfig& config() const { return model_->config(); }
   const GgufFile& file() const { return *file_; }
-  int threads() const { return pool_->size(); }
+  int threads() const { return be_->threads(); }
+  std::string backend_name() const { return be_->name(); }
   int64_t context() const { return context_; }
   int max_batch_tokens() const { return max_batch_tokens_; }
-  int64_t kv_tokens() const { return kv_->n_blocks() * kv_->block_size(); }
+  int64_t kv_tokens() const { return kv_->kv_tokens(); }
   size_t kv_bytes() const { return kv_->bytes(); }
-  // Cache bytes one token takes on this rank, all layers (the attention kind's row layout).
-  uint64_t kv_bytes_per_token() const { return PagedKvCache::bytes_per_token(model_->config().n_layer, kv_->layout(), kv_->type()); }
+  // Cache bytes one token takes on this rank, all layers (each layer's KV spec).
+  uint64_t kv_bytes_per_token() const { return memory_plan_.kv_bytes_per_token; }
 
   int64_t free_kv_tokens() const;
   EngineStats stats() const;
@@ -168,12 +170,6 @@ class Engine {
     size_t n_prompt;
     size_t n_computed = 0;        // tokens whose K/V are in the cache
     int slot = -1;                // KV slot, -1 while waiting
-    // Prefix cache chain: the first n_chained blocks of the table are registered (or stand
-    // for an equal registered block, chain_block, the last of them), chain_key their key.
-    size_t n_chained = 0;
-    int32_t chain_block = -1;
-    uint64_t chain_key = 0;
-    bool chain_broken = false;    // a key collision: this sequence registers nothing more
     RequestParams params;
     Sampler sampler;
     int n_generated = 0;
@@ -182,10 +178,6 @@ class Engine {
   };
   void finish(Sequence& s, StepOutput&& o, std::vector<StepOutput>& out);
   void release_slot(Sequence& s);
-  // Prefix cache: maps the cached blocks the sequence's tokens start with into its new table
-  // (returns the tokens they cover); registers the blocks it has filled since last time.
-  size_t attach_cached_prefix(Sequence& s);
-  void register_full_blocks(Sequence& s);
   void logits_locked(const std::vector<int32_t>& ids, float* out);
   // TP follower: checks plan_ field by field, fills batch_ and mirrors the block tables.
   void apply_plan();
@@ -206,10 +198,10 @@ class Engine {
   // Set by the load heartbeat when the peer is gone: this rank's load stops (declared before
   // model_, which points at it, so it outlives the model).
   std::atomic<bool> load_abandoned_{false};
-  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<Backend> be_;        // runs every operation of the forward
+  std::unique_ptr<Model> model_;
   std::unique_ptr<ActivationStats> act_stats_;  // calibration collector while attached
-  std::unique_ptr<PagedKvCache> kv_;
-  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<KvCache> kv_;
   mutable std::mutex mu_;              // guards everything below that changes after start-up
   int64_t context_ = 0;
   int max_batch_tokens_ = 512;
@@ -235,7 +227,7 @@ class Engine {
   std::vector<uint32_t> slot_mark_, block_mark_, block_shared_;
   std::vector<int32_t> slot_table_len_, block_slot_;
   std::vector<int64_t> slot_table_at_;  // where each slot's table starts in plan_
-  uint32_t plan_gen_ = 0;
+  uint32_t plan_gen_ = 0, block_gen_ = 0;
   int64_t max_plan_ints_ = 0;
 };
 

@@ -80,11 +80,12 @@ void Engine::heartbeat_loop() {
 
 void Engine::run_forward(const std::vector<BatchToken>& batch, float* logits) {
   if (!group_) {
-    model_->forward(batch, *kv_, *pool_, logits);
+    model_->forward(batch, *kv_, logits);
     return;
   }
   std::lock_guard<std::mutex> lock(comm_mu_);
-  // Plan: T, then (token, pos, seq, want) per token, then the block table of each sequence.
+  // Plan: T, then (token, pos, seq, want) per token, then per sequence its slot and its block
+  // table in each KV group.
   plan_.clear();
   plan_.push_back(int32_t(batch.size()));
   std::vector<int32_t>& seqs = plan_seqs_;
@@ -95,13 +96,15 @@ void Engine::run_forward(const std::vector<BatchToken>& batch, float* logits) {
   }
   plan_.push_back(int32_t(seqs.size()));
   for (int32_t sq : seqs) {
-    const auto& table = kv_->block_table(sq);
     plan_.push_back(sq);
-    plan_.push_back(int32_t(table.size()));
-    plan_.insert(plan_.end(), table.begin(), table.end());
+    for (int g = 0; g < kv_->n_groups(); ++g) {
+      const auto& table = kv_->group(g).block_table(sq);
+      plan_.push_back(int32_t(table.size()));
+      plan_.insert(plan_.end(), table.begin(), table.end());
+    }
   }
   send_command(kCmdForward, plan_);
-  model_->forward(batch, *kv_, *pool_, logits);
+  model_->forward(batch, *kv_, logits);
 }
 
 void Engine::follow() {
@@ -125,7 +128,7 @@ void Engine::follow() {
     plan_.resize(size_t(header[1]));
     group_->broadcast(plan_.data(), plan_.size() * sizeof(int32_t), kLeaderGroupRank);
     apply_plan();
-    model_->forward(batch_, *kv_, *pool_, logits_.data());
+    model_->forward(batch_, *kv_, logits_.data());
     check_weights_intact();  // a shrunk model file ends the follower (rank 0 then sees it gone)
   }
 }
@@ -142,6 +145,7 @@ void Engine::apply_plan() {
   };
   const int64_t V = config().n_vocab;
   const int max_seqs = kv_->max_seqs();
+  const int n_groups = kv_->n_groups();
   const int32_t T = next();
   if (T < 1 || T > max_batch_tokens_) bad(T, " tokens (this engine takes 1..", max_batch_tokens_, " per step)");
   batch_.clear();
@@ -164,58 +168,87 @@ void Engine::apply_plan() {
   if (wants > kMaxLogitRows) bad(wants, " logits rows (at most ", kMaxLogitRows, " per step)");
   const int32_t n_seq = next();
   if (n_seq < 1 || n_seq > T) bad(n_seq, " sequences for ", T, " tokens");
-  // New marks for this plan (a generation counter, so nothing needs clearing).
+  // The layout first: where each sequence's table of each group starts (slot_table_at_ holds
+  // the first group's; the others follow it, each after its length).
   if (++plan_gen_ == 0) {
     std::fill(slot_mark_.begin(), slot_mark_.end(), 0);
-    std::fill(block_mark_.begin(), block_mark_.end(), 0);
-    std::fill(block_shared_.begin(), block_shared_.end(), 0);
     plan_gen_ = 1;
   }
-  const int64_t max_table = (context_ + kKvBlockSize - 1) / kKvBlockSize;
-  const size_t tables_begin = i;
+  std::vector<int32_t>& slots = plan_seqs_;
+  slots.clear();
   for (int32_t s = 0; s < n_seq; ++s) {
     const int32_t slot = next();
-    const int32_t n = next();
     if (slot < 0 || slot >= max_seqs) bad("sequence ", s, " has slot ", slot, " (valid 0..", max_seqs - 1, ")");
     if (slot_mark_[size_t(slot)] == plan_gen_) bad("sequence slot ", slot, " is listed twice");
     slot_mark_[size_t(slot)] = plan_gen_;
-    if (n < 1 || n > max_table) bad("sequence slot ", slot, " has a block table of ", n, " blocks (1..", max_table, ")");
-    if (plan_.size() - i < size_t(n)) bad("truncated block table of sequence slot ", slot);
-    slot_table_len_[size_t(slot)] = n;
     slot_table_at_[size_t(slot)] = int64_t(i);
-    // A block may be listed by several sequences (a cached prefix they share, read-only), but
-    // only once per table; the blocks this plan writes are checked below.
-    for (int32_t k = 0; k < n; ++k) {
-      const int32_t blk = plan_[i + size_t(k)];
-      if (blk < 0 || blk >= kv_->n_blocks())
-        bad("sequence slot ", slot, " lists block ", blk, " (valid 0..", kv_->n_blocks() - 1, ")");
-      if (block_mark_[size_t(blk)] == plan_gen_) {
-        if (block_slot_[size_t(blk)] == slot) bad("block ", blk, " is used twice in the table of sequence slot ", slot);
-        block_shared_[size_t(blk)] = plan_gen_;
-      }
-      block_mark_[size_t(blk)] = plan_gen_;
-      block_slot_[size_t(blk)] = slot;
+    slots.push_back(slot);
+    for (int g = 0; g < n_groups; ++g) {
+      const KvPool& pool = kv_->group(g);
+      const int64_t max_table = ((context_ + pool.spec().compression - 1) / pool.spec().compression +
+                                 pool.block_size() - 1) / pool.block_size();
+      const int32_t n = next();
+      if (n < 1 || n > max_table)
+        bad("sequence slot ", slot, " has a block table of ", n, " blocks in KV group ", g, " (1..", max_table, ")");
+      if (plan_.size() - i < size_t(n)) bad("truncated block table of sequence slot ", slot);
+      i += size_t(n);
     }
-    i += size_t(n);
   }
   if (i != plan_.size()) bad(plan_.size() - i, " unexpected ints after the block tables");
-  for (size_t t = 0; t < batch_.size(); ++t) {
-    const BatchToken& b = batch_[t];
-    if (slot_mark_[size_t(b.seq)] != plan_gen_) bad("token ", t, " uses sequence slot ", b.seq, " which has no block table");
-    if (int64_t(b.pos) >= int64_t(slot_table_len_[size_t(b.seq)]) * kKvBlockSize)
-      bad("token ", t, " has position ", b.pos, " beyond the ", slot_table_len_[size_t(b.seq)],
-          " blocks of sequence slot ", b.seq);
-    // Every block a token writes belongs to its sequence alone (shared blocks are full).
-    const int32_t blk = plan_[size_t(slot_table_at_[size_t(b.seq)]) + size_t(b.pos / kKvBlockSize)];
-    if (block_shared_[size_t(blk)] == plan_gen_)
-      bad("block ", blk, " is used twice: token ", t, " of sequence slot ", b.seq,
-          " writes it while another sequence's table lists it");
+  // Then each group: a block may be listed by several sequences (a cached prefix they share,
+  // read-only), but only once per table; leading blocks may be holes (-1: let go of behind a
+  // window); the blocks this plan writes belong to their sequence alone.
+  for (int g = 0; g < n_groups; ++g) {
+    const KvPool& pool = kv_->group(g);
+    if (++block_gen_ == 0) {  // new marks for this group (a generation counter: nothing to clear)
+      std::fill(block_mark_.begin(), block_mark_.end(), 0);
+      std::fill(block_shared_.begin(), block_shared_.end(), 0);
+      block_gen_ = 1;
+    }
+    for (int32_t slot : slots) {
+      size_t at = size_t(slot_table_at_[size_t(slot)]) + 1;
+      for (int h = 0; h < g; ++h) at += 1 + size_t(plan_[at - 1]);
+      const int32_t n = plan_[at - 1];
+      slot_table_len_[size_t(slot)] = n;
+      bool lead = true;
+      for (int32_t k = 0; k < n; ++k) {
+        const int32_t blk = plan_[at + size_t(k)];
+        if (blk == -1 && lead && pool.spec().window > 0) continue;
+        lead = false;
+        if (blk < 0 || blk >= pool.n_blocks())
+          bad("sequence slot ", slot, " lists block ", blk, " in KV group ", g, " (valid 0..", pool.n_blocks() - 1, ")");
+        if (block_mark_[size_t(blk)] == block_gen_) {
+          if (block_slot_[size_t(blk)] == slot) bad("block ", blk, " is used twice in the table of sequence slot ", slot);
+          block_shared_[size_t(blk)] = block_gen_;
+        }
+        block_mark_[size_t(blk)] = block_gen_;
+        block_slot_[size_t(blk)] = slot;
+      }
+    }
+    for (size_t t = 0; t < batch_.size(); ++t) {
+      const BatchToken& b = batch_[t];
+      if (slot_mark_[size_t(b.seq)] != plan_gen_)
+        bad("token ", t, " uses sequence slot ", b.seq, " which has no block table");
+      size_t at = size_t(slot_table_at_[size_t(b.seq)]) + 1;
+      for (int h = 0; h < g; ++h) at += 1 + size_t(plan_[at - 1]);
+      const int32_t n = plan_[at - 1];
+      const int64_t entry = b.pos / pool.spec().compression, block = entry / pool.block_size();
+      if (block >= n) bad("token ", t, " has position ", b.pos, " beyond the ", n, " blocks of sequence slot ", b.seq);
+      const int32_t blk = plan_[at + size_t(block)];
+      if (blk < 0) bad("token ", t, " of sequence slot ", b.seq, " writes a block let go of");
+      if (block_shared_[size_t(blk)] == block_gen_)
+        bad("block ", blk, " is used twice: token ", t, " of sequence slot ", b.seq,
+            " writes it while another sequence's table lists it");
+    }
   }
   // Valid: mirror the tables.
-  for (size_t j = tables_begin; j < i;) {
-    const int32_t slot = plan_[j], n = plan_[j + 1];
-    kv_->assign_table(slot, plan_.data() + j + 2, size_t(n));
-    j += 2 + size_t(n);
+  for (int32_t slot : slots) {
+    size_t at = size_t(slot_table_at_[size_t(slot)]) + 1;
+    for (int g = 0; g < n_groups; ++g) {
+      const int32_t n = plan_[at - 1];
+      kv_->assign_tables(slot, g, plan_.data() + at, size_t(n));
+      at += size_t(n) + 1;
+    }
   }
 }
 
@@ -262,7 +295,7 @@ void Engine::load_with_heartbeat(TpShard shard) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     }
-    model_ = std::make_unique<LlamaModel>(file_, shard);
+    model_ = std::make_unique<Model>(file_, be_.get(), shard);
     loaded = true;
     // The barrier: wait for the peer's "loaded" (however long, up to load_timeout) but not
     // past a Ctrl-C.

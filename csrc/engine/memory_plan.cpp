@@ -9,7 +9,8 @@
 #include "core/error.h"
 #include "engine/engine.h"
 #include "kv/prefix_cache.h"
-#include "model/llama_model.h"
+#include "backend/backend.h"
+#include "model/model.h"
 
 namespace tf {
 
@@ -85,19 +86,24 @@ EngineGeometry resolve_geometry(const ModelConfig& c, const EngineOptions& opts)
 
 namespace {
 // Every line of the plan but the budget, for geometry `g`.
-void size_plan(MemoryPlan& p, LlamaModel& model, const EngineGeometry& g, const EngineOptions& opts) {
+void size_plan(MemoryPlan& p, Model& model, const EngineGeometry& g, const EngineOptions& opts) {
   const ModelConfig& c = model.config();
   p.context = g.context;
   p.kv_tokens = g.kv_tokens;
   p.max_batch_tokens = g.max_batch_tokens;
-  p.kv_bytes_per_token = PagedKvCache::bytes_per_token(c.n_layer, model.kv_layout(), opts.kv_type);
-  p.weights = model.weight_bytes();
   // The prefix cache's index (rank 0 only: a follower caches nothing) grows with the pool.
-  p.index_bytes_per_block = 0;
-  if (opts.prefix_cache && opts.tp.rank == 0) p.index_bytes_per_block = PrefixCache::bytes_per_block(kKvBlockSize);
-  p.kv = p.kv_bytes_per_token * uint64_t(g.kv_tokens) + p.index_bytes_per_block * uint64_t(g.kv_tokens / kKvBlockSize);
+  const bool index = opts.prefix_cache && opts.tp.rank == 0;
+  p.kv_groups = KvCache::plan(model.kv_specs(), g.kv_tokens, opts.kv_type, index);
+  p.kv = 0;
+  p.kv_bytes_per_token = 0;
+  for (const KvGroupPlan& grp : p.kv_groups) {
+    p.kv += grp.bytes + grp.index_bytes;
+    p.kv_bytes_per_token += grp.bytes_per_token;
+  }
+  p.index_bytes_per_block = index ? PrefixCache::bytes_per_block(kKvBlockSize) : 0;
   const uint64_t logits = uint64_t(kMaxLogitRows) * uint64_t(c.n_vocab) * sizeof(float);
-  p.scratch = model.reserve(g.max_batch_tokens, g.context, 1, /*count_only=*/true) + logits;
+  const double scratch = model.reserve(g.max_batch_tokens, g.context, /*count_only=*/true);
+  p.scratch = (scratch > 1.8e19 ? ~uint64_t(0) / 4 : uint64_t(scratch)) + logits;
   p.comm = 0;
   if (p.tp_size > 1)  // send/receive buffers of the All-Reduce (per rail) and the logits broadcast
     p.comm = 4 * uint64_t(g.max_batch_tokens) * uint64_t(c.n_embd) * sizeof(float) + logits;
@@ -116,11 +122,12 @@ EngineGeometry geometry_for(int64_t ctx, const EngineOptions& opts) {
 }
 }  // namespace
 
-MemoryPlan plan_memory(LlamaModel& model, const EngineGeometry& g, const EngineOptions& opts) {
+MemoryPlan plan_memory(Model& model, const EngineGeometry& g, const EngineOptions& opts) {
   MemoryPlan p;
   p.tp_size = opts.tp.size;
   p.tp_rank = opts.tp.rank;
   p.n_ctx_train = model.config().n_ctx_train;
+  p.weights = model.weight_bytes();
   size_plan(p, model, g, opts);
   if (opts.memory_budget > 0) {
     p.budget = uint64_t(opts.memory_budget);
@@ -131,10 +138,22 @@ MemoryPlan plan_memory(LlamaModel& model, const EngineGeometry& g, const EngineO
   }
   if (p.budget > 0) {
     const uint64_t fixed = p.weights + p.scratch + p.comm + p.margin;
-    if (p.budget > fixed && p.kv_bytes_per_token > 0) {
-      const uint64_t per_block = p.kv_bytes_per_token * kKvBlockSize + p.index_bytes_per_block;
-      const int64_t tokens = int64_t((p.budget - fixed) / per_block) * kKvBlockSize;
-      p.max_kv_tokens = tokens >= g.context ? tokens : 0;
+    if (p.budget > fixed && p.kv > 0) {
+      // Every group grows in proportion to the pool: its bytes per token of the pool, in whole
+      // blocks of kKvBlockSize tokens.
+      const double per_token = double(p.kv) / double(g.kv_tokens);
+      const int64_t tokens = int64_t(double(p.budget - fixed) / per_token) / kKvBlockSize * kKvBlockSize;
+      int64_t fit = tokens;
+      // Rounding of compressed groups to whole blocks: step down until the plan really fits.
+      while (fit >= g.context) {
+        MemoryPlan q = p;
+        EngineGeometry gg = g;
+        gg.kv_tokens = fit;
+        size_plan(q, model, gg, opts);
+        if (q.total() <= p.budget) break;
+        fit -= kKvBlockSize;
+      }
+      p.max_kv_tokens = fit >= g.context ? fit : 0;
     }
     if (p.max_kv_tokens == 0) {
       // No pool of one full context fits: the largest context that does (with a pool of just
@@ -165,7 +184,8 @@ MemoryPlan plan_memory(const std::shared_ptr<GgufFile>& file, const EngineOption
   shard.size = opts.tp.size;
   shard.rank = opts.tp.rank;
   shard.plan_only = true;
-  LlamaModel model(file, shard);
+  std::unique_ptr<Backend> be = make_backend(BackendOptions{"cpu", 1, ""});  // sizes the products' working memory
+  Model model(file, be.get(), shard);
   return plan_memory(model, resolve_geometry(model.config(), opts), opts);
 }
 
@@ -179,9 +199,19 @@ std::string MemoryPlan::table() const {
   };
   os << "memory plan (TP rank " << tp_rank << " of " << tp_size << "):\n";
   row("weights (this rank)", weights, tp_size > 1 ? "this rank's slices" : "the mapped file, pre-faulted");
-  row("KV cache pool", kv,
-      std::to_string(kv_tokens) + " tokens x " + std::to_string(kv_bytes_per_token) + " bytes" +
-          (index_bytes_per_block ? " + prefix-cache index" : ""));
+  if (kv_groups.size() <= 1) {
+    row("KV cache pool", kv,
+        std::to_string(kv_tokens) + " tokens x " + std::to_string(kv_bytes_per_token) + " bytes" +
+            (index_bytes_per_block ? " + prefix-cache index" : ""));
+  } else {
+    for (size_t i = 0; i < kv_groups.size(); ++i) {
+      const KvGroupPlan& g = kv_groups[i];
+      const std::string what = "KV group " + std::to_string(i);
+      row(what.c_str(), g.bytes + g.index_bytes,
+          std::to_string(g.layers.size()) + (g.layers.size() == 1 ? " layer: " : " layers: ") + g.spec.describe() +
+              (g.index_bytes ? "; + prefix-cache index" : ""));
+    }
+  }
   row("scratch + logits", scratch, std::to_string(max_batch_tokens) + " tokens per step");
   row("comm buffers", comm, tp_size > 1 ? "All-Reduce and logits" : "none (TP=1)");
   row("safety margin", margin, "allocator, stacks, runtime");

@@ -9,9 +9,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "gguf/gguf_reader.h"
-#include "kv/paged_kv_cache.h"
+#include "kv/kv_cache.h"
 #include "model/model_config.h"
 
 namespace tf {
@@ -25,10 +26,11 @@ struct MemoryPlan {
   int tp_size = 1, tp_rank = 0;
   int64_t context = 0, kv_tokens = 0;
   int max_batch_tokens = 0;
-  uint64_t kv_bytes_per_token = 0;
+  uint64_t kv_bytes_per_token = 0;  // cache rows of one token, all layers (compressed groups: per token)
   uint64_t weights = 0;  // resident on this rank
-  uint64_t kv = 0;       // KV pool, with the prefix cache's index of its blocks
-  uint64_t index_bytes_per_block = 0;  // that index, per block (0: no prefix cache)
+  uint64_t kv = 0;       // KV pool (every group), with the prefix cache's index of its blocks
+  uint64_t index_bytes_per_block = 0;  // that index, per block of the first group (0: no prefix cache)
+  std::vector<KvGroupPlan> kv_groups;  // a line each: the layers sharing one KvSpec
   uint64_t scratch = 0;  // activations of one step, logits
   uint64_t comm = 0;     // TP transport buffers
   uint64_t margin = 0;   // safety: allocator slack, thread stacks, the runtime around the engine
@@ -45,7 +47,7 @@ struct MemoryPlan {
   std::string table() const;
 };
 
-class LlamaModel;
+class Model;
 
 // The engine's sizes for a model and its options: the per-sequence context, the KV pool (whole
 // blocks) and the step's token budget, resolved from the defaults where the options leave 0.
@@ -57,7 +59,7 @@ EngineGeometry resolve_geometry(const ModelConfig& c, const EngineOptions& opts)
 
 // The plan of `model` (its rank's bytes: a plan-only model is enough) with `g`, against the
 // budget opts.memory_budget (bytes; 0: available memory; < 0: none).
-MemoryPlan plan_memory(LlamaModel& model, const EngineGeometry& g, const EngineOptions& opts);
+MemoryPlan plan_memory(Model& model, const EngineGeometry& g, const EngineOptions& opts);
 // The same from the file alone (tensorfold plan): reads only its header and tensor table.
 MemoryPlan plan_memory(const std::shared_ptr<GgufFile>& file, const EngineOptions& opts);
 

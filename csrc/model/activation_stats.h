@@ -4,18 +4,17 @@
 // MLA's per-head W_kb / W_vb) has one row of sums and one count per matrix: an expert counts
 // only the tokens routed to it.
 //
-// The model feeds it from its matrix-product call sites when one is attached
-// (LlamaModel::set_activation_stats); nothing runs when none is. Several weights that take
-// the same input (q/k/v, gate/up, ...) share one accumulator under several names. Sums are
-// kept in double; every recording is one parallel section whose chunks own disjoint ranges of
-// channels (no two threads add to the same value), so results do not depend on the threads.
+// The blocks feed it from their matrix-product call sites when one is attached
+// (Model::set_activation_stats; each block names its accumulators after its weights); nothing
+// runs when none is. Several weights that take the same input (q/k/v, gate/up, ...) share one
+// accumulator under several names. Sums are kept in double and added in token order, so
+// results do not depend on threads or batch splits.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "core/thread_pool.h"
 
 namespace tf {
 
@@ -33,14 +32,13 @@ class ActivationStats {
   void name(const std::string& name, int id) { names_.emplace_back(name, id); }
 
   // T token rows of x, ldx floats apart (the first in_dim values of each), into matrix `mat`.
-  void record(int id, const float* x, int64_t T, int64_t ldx, ThreadPool& pool, int64_t mat = 0);
+  void record(int id, const float* x, int64_t T, int64_t ldx, int64_t mat = 0);
   // Per-head inputs: matrix h takes, for each of T tokens, the in_dim values at
   // x + t * ldx + h * hx.
-  void record_heads(int id, const float* x, int64_t T, int64_t ldx, int64_t hx, ThreadPool& pool);
+  void record_heads(int id, const float* x, int64_t T, int64_t ldx, int64_t hx);
   // Grouped rows: matrix m takes rows offsets[m] .. offsets[m + 1] - 1 of a list whose row i
   // is x + (rows ? rows[i] : i) * ldx (the token lists of experts).
-  void record_grouped(int id, const float* x, int64_t ldx, const int32_t* offsets, const int32_t* rows,
-                      ThreadPool& pool);
+  void record_grouped(int id, const float* x, int64_t ldx, const int32_t* offsets, const int32_t* rows);
 
   const std::vector<std::pair<std::string, int>>& names() const { return names_; }
   const Accumulator& accumulator(int id) const { return accs_.at(size_t(id)); }
@@ -49,7 +47,7 @@ class ActivationStats {
  private:
   // fn(mat, i) -> the i-th input row of matrix mat, n_rows(mat) rows each.
   template <typename RowFn, typename CountFn>
-  void accumulate(Accumulator& a, RowFn row, CountFn n_rows, ThreadPool& pool);
+  void accumulate(Accumulator& a, RowFn row, CountFn n_rows);
 
   std::vector<Accumulator> accs_;
   std::vector<std::pair<std::string, int>> names_;

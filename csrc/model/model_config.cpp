@@ -90,20 +90,6 @@ std::string utf8_or_replace(const std::string& s) {
   return out;
 }
 
-// One row per architecture (general.architecture): what the forward pass does differently.
-// A new architecture is a row here (plus its blocks, if it needs a kind the forward lacks).
-const ArchTraits kArchitectures[] = {
-    // name       covers            attention           rope_neox qkv_bias qk_norm norm_topk
-    {"llama",     "incl. mixtral",  AttentionKind::Gqa, false,    false,   false,  true},
-    {"qwen2",     "",               AttentionKind::Gqa, true,     true,    false,  false},
-    {"qwen2moe",  "",               AttentionKind::Gqa, true,     true,    false,  false},
-    {"qwen3",     "",               AttentionKind::Gqa, true,     false,   true,   false},
-    {"qwen3moe",  "",               AttentionKind::Gqa, true,     false,   true,   true},
-    {"deepseek2", "DeepSeek V2/V3/R1, Kimi-K2, Moonlight",
-                                    AttentionKind::Mla, false,    false,   false,  false},
-};
-
-
 // deepseek2's attention sizes. llama.cpp's current files (attn_k_b/attn_v_b) give the cached
 // row as key_length/value_length (latent + rope / latent) and the per-head sizes as the *_mla
 // keys; older files (attn_kv_b) have only key_length/value_length, then per head.
@@ -126,22 +112,6 @@ void read_mla_geometry(const GgufFile& f, ModelConfig& c) {
 }
 
 }  // namespace
-
-const ArchTraits* find_arch(const std::string& name) {
-  for (const ArchTraits& a : kArchitectures)
-    if (name == a.name) return &a;
-  return nullptr;
-}
-
-std::string supported_arch_names() {
-  std::string out;
-  for (const ArchTraits& a : kArchitectures) {
-    if (!out.empty()) out += ", ";
-    out += a.name;
-    if (*a.covers) out += std::string(" (") + a.covers + ")";
-  }
-  return out;
-}
 
 ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   ModelConfig c;
@@ -202,6 +172,17 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     } catch (const Error& e) {
       fail(ErrorKind::InvalidInput, path, ": invalid expert routing metadata: ", e.what());
     }
+  }
+  // The kind of each layer: the architecture's, or a sliding window where the file names one.
+  c.layer_attention.assign(size_t(c.n_layer), c.attention);
+  if (traits->sliding_window && f.find(key("attention.sliding_window"))) {
+    c.sliding_window = int_in(f, key("attention.sliding_window"), f.get_int(key("attention.sliding_window")), 1,
+                              std::numeric_limits<int32_t>::max());
+    // attention.sliding_window_pattern: N, every N-th layer (the last of each N) attends in full;
+    // absent, every layer has the window.
+    const int period = int_key(f, key("attention.sliding_window_pattern"), 0, 0, 4096);
+    for (int il = 0; il < c.n_layer; ++il)
+      if (period == 0 || (il + 1) % period != 0) c.layer_attention[size_t(il)] = AttentionKind::Swa;
   }
   c.n_ctx_train = int_in(f, key("context_length"), f.get_int(key("context_length"), 4096), 1,
                          std::numeric_limits<int32_t>::max());
@@ -283,6 +264,11 @@ std::string ModelConfig::summary() const {
   if (attention == AttentionKind::Mla)
     os << ", MLA (kv_lora " << kv_lora_rank << ", q_lora " << q_lora_rank << ", nope " << qk_nope_dim << " + rope "
        << rope_dim << ", v " << v_head_dim << ")";
+  if (sliding_window > 0) {
+    int n = 0;
+    for (AttentionKind k : layer_attention) n += k == AttentionKind::Swa;
+    os << ", sliding window " << sliding_window << " (" << n << " of " << n_layer << " layers)";
+  }
   if (is_moe())
     os << ", " << n_expert << " experts (top-" << n_expert_used << ", width " << n_ff_exp << ")"
        << (n_ff_shexp ? ", shared expert" : "");

@@ -3,34 +3,41 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "gguf/gguf_reader.h"
-#include "kv/paged_kv_cache.h"
 #include "moe/router.h"
 
 namespace tf {
 
-// The attention block a layer runs (and so the cache rows it keeps).
+// The attention block a layer runs (and so the cache entries it keeps), one per layer: the
+// architecture's row names the kind of each layer (model/architectures.cpp), and
+// model/kinds.cpp makes the block of each kind.
 enum class AttentionKind {
   Gqa,  // grouped-query attention: per KV head a K and a V row per position
   Mla,  // multi-head latent attention: one latent + rope-key row per position, absorbed
+  Swa,  // grouped-query attention over a sliding window of the last `sliding_window` positions
 };
+const char* attention_kind_name(AttentionKind k);
 
 // What distinguishes an architecture in the forward pass (one row per general.architecture).
 struct ArchTraits {
   const char* name;
   const char* covers;              // for error messages: what else the name covers
-  AttentionKind attention;
+  AttentionKind attention;         // the kind of every layer (but see sliding_window)
   bool rope_neox;                  // rotate halves (NeoX) instead of adjacent pairs
   bool qkv_bias;                   // q/k/v projections have biases
   bool qk_norm;                    // RMSNorm over each q/k head
   bool norm_topk;                  // default of expert_weights_norm
+  // The file's attention.sliding_window (with attention.sliding_window_pattern) makes layers
+  // Swa (Mistral-style sliding windows over GQA).
+  bool sliding_window;
 };
 const ArchTraits* find_arch(const std::string& name);
 // Limits of multi-head latent attention: the cached row (latent + rope key) and the heads
 // that read it together (the attention kernel's).
 constexpr int kMaxLatentRow = 1024;
-constexpr int kMaxMlaHeads = 128;  // nullptr: unknown
+constexpr int kMaxMlaHeads = 128;
 std::string supported_arch_names();
 
 struct ModelConfig {
@@ -41,7 +48,9 @@ struct ModelConfig {
   int n_head = 0;
   int n_head_kv = 0;
   int head_dim = 0;          // per head, for q/k/v (MLA: q and expanded k, nope + rope)
-  AttentionKind attention = AttentionKind::Gqa;
+  AttentionKind attention = AttentionKind::Gqa;  // the architecture's kind (MLA geometry when Mla)
+  std::vector<AttentionKind> layer_attention;     // the kind of each layer
+  int64_t sliding_window = 0;                     // Swa layers: positions each token reads
   // Multi-head latent attention (deepseek2). q = W_q x, or W_qb norm(W_qa x) with a q-LoRA
   // (q_lora_rank > 0); per token one latent c = norm(W_kva x)[:kv_lora_rank] and one rope key
   // shared by all heads; head h's key/value are W_kb[h] c (qk_nope values, then the rope key)
@@ -80,14 +89,6 @@ struct ModelConfig {
   moe::RouterConfig router;  // gating, top-k, normalisation, scale, groups
 
   bool is_moe() const { return n_expert > 0; }
-
-  // The cache rows of the whole model's attention per position (one rank's: its share of heads;
-  // MLA keeps one latent + rope-key row, replicated on every rank, and no V rows).
-  KvLayout kv_layout(int kv_heads) const {
-    if (attention == AttentionKind::Mla) return {1, kv_lora_rank + rope_dim, 0};
-    return {kv_heads, head_dim, head_dim};
-  }
-  KvLayout kv_layout() const { return kv_layout(n_head_kv); }
 
   static ModelConfig from_gguf(const GgufFile& f);
   std::string summary() const;

@@ -47,9 +47,14 @@ inline int tile_positions(int head_dim) {
 }  // namespace
 
 void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n, float scale, float* out) {
+  paged_attention(q, G, D, kv, 0, n, scale, out, vec_ops());
+}
+
+void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t begin, int64_t n, float scale,
+                     float* out, const VecOps& ops) {
   const int Dv = kv.v_dim > 0 ? kv.v_dim : D;
-  TF_CHECK(G > 0 && G <= kMaxGroup && D > 0 && D <= kMaxHeadDim && Dv <= D && n > 0, "paged_attention: bad sizes");
-  const VecOps& ops = vec_ops();
+  TF_CHECK(G > 0 && G <= kMaxGroup && D > 0 && D <= kMaxHeadDim && Dv <= D && begin >= 0 && n > begin,
+           "paged_attention: bad sizes");
   const int bs = kv.block_size;
   const int T = tile_positions(D);
   // Per-thread scratch, bounded by the tile whatever n is: the G rounded queries, a tile of
@@ -68,30 +73,36 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
   std::fill(mx, mx + G, -INFINITY);
   std::fill(sum, sum + G, 0.0);
   std::fill(out, out + size_t(G) * Dv, 0.f);
-  auto gather = [&](const void* base, int64_t j0, int64_t m, int width) {
+  // Rows [j0, j0 + m) of the pages into rows[at ..] as float.
+  auto gather = [&](const void* base, int64_t j0, int64_t m, int width, int64_t at_row) {
     int64_t b = j0 / bs, in_page = j0 % bs;
     for (int64_t j = 0; j < m; ++j) {
       const size_t at = size_t(kv.table[b]) * kv.page_stride + size_t(in_page) * size_t(D);
+      float* dst = rows + (at_row + j) * D;
       if (kv.f32)
-        std::copy_n(static_cast<const float*>(base) + at, width, rows + j * D);
+        std::copy_n(static_cast<const float*>(base) + at, width, dst);
       else
-        ops.f16_to_f32(width, static_cast<const uint16_t*>(base) + at, rows + j * D);
+        ops.f16_to_f32(width, static_cast<const uint16_t*>(base) + at, dst);
       if (++in_page == bs) { in_page = 0; ++b; }
     }
   };
   // Each tile is met as two small matrix products (heads x K rows, then probabilities x V
   // rows), register-blocked over several heads and rows at once; every score and output
-  // element is formed exactly as the prefill block kernel forms it.
-  for (int64_t j0 = 0; j0 < n; j0 += T) {
+  // element is formed exactly as the prefill block kernel forms it. Tiles lie on the same grid
+  // whatever `begin` is (positions before it masked), so both kernels still agree.
+  for (int64_t j0 = begin / T * T; j0 < n; j0 += T) {
     const int m = int(std::min<int64_t>(T, n - j0));
-    gather(kv.k_base, j0, m, D);
+    const int lo = int(std::max<int64_t>(0, begin - j0));  // rows before the window: not read
+    if (lo > 0) std::fill(rows, rows + size_t(lo) * D, 0.f);
+    gather(kv.k_base, j0 + lo, m - lo, D, lo);
     ops.dot_block_f32(D, qr, D, G, rows, D, m, scores, T);
     for (int h = 0; h < G; ++h) {
       float* sc = scores + size_t(h) * T;
-      for (int j = 0; j < m; ++j) sc[j] *= scale;
-      softmax_tile_step(ops, sc, m, j0 == 0, !kv.f32, mx[h], sum[h], out + size_t(h) * Dv, Dv);
+      for (int j = lo; j < m; ++j) sc[j] *= scale;
+      softmax_tile_step(ops, sc + lo, m - lo, j0 <= begin, !kv.f32, mx[h], sum[h], out + size_t(h) * Dv, Dv);
+      std::fill(sc, sc + lo, 0.f);
     }
-    if (kv.v_base != kv.k_base) gather(kv.v_base, j0, m, Dv);  // else the K rows' prefix is V
+    if (kv.v_base != kv.k_base) gather(kv.v_base, j0 + lo, m - lo, Dv, lo);  // else the K rows' prefix is V
     ops.axpy_block_f32(Dv, scores, T, G, rows, D, m, out, Dv);
   }
   for (int h = 0; h < G; ++h) ops.scale(Dv, out + size_t(h) * Dv, float(1.0 / sum[h]));
@@ -99,11 +110,17 @@ void paged_attention(const float* q, int G, int D, const PagedKv& kv, int64_t n,
 
 void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, int G, int D, const PagedKv& kv,
                             int64_t pos0, float scale, float* out, int64_t out_token_stride) {
+  paged_attention_causal(q, token_stride, n_tokens, G, D, kv, pos0, 0, scale, out, out_token_stride, vec_ops());
+}
+
+void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, int G, int D, const PagedKv& kv,
+                            int64_t pos0, int64_t window, float scale, float* out, int64_t out_token_stride,
+                            const VecOps& ops) {
   const int R = n_tokens * G;
   const int Dv = kv.v_dim > 0 ? kv.v_dim : D;
-  TF_CHECK(G > 0 && D > 0 && D <= kMaxHeadDim && Dv <= D && n_tokens > 0 && R <= kAttentionBlockRows && pos0 >= 0,
+  TF_CHECK(G > 0 && D > 0 && D <= kMaxHeadDim && Dv <= D && n_tokens > 0 && R <= kAttentionBlockRows && pos0 >= 0 &&
+               window >= 0,
            "paged_attention_causal: bad sizes");
-  const VecOps& ops = vec_ops();
   const int bs = kv.block_size;
   const int T = tile_positions(D);
   // Per-thread scratch, bounded by the block and the tile: rounded queries, one tile of K
@@ -125,35 +142,44 @@ void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, 
   double sum[kAttentionBlockRows];
   std::fill(mx, mx + R, -INFINITY);
   std::fill(sum, sum + R, 0.0);
-  auto gather = [&](const void* base, int64_t j0, int64_t m, int width) {
+  // Rows [j0, j0 + m) of the pages into rows[at ..] as float.
+  auto gather = [&](const void* base, int64_t j0, int64_t m, int width, int64_t at_row) {
     int64_t b = j0 / bs, in_page = j0 % bs;
     for (int64_t j = 0; j < m; ++j) {
       const size_t at = size_t(kv.table[b]) * kv.page_stride + size_t(in_page) * size_t(D);
+      float* dst = rows + (at_row + j) * D;
       if (kv.f32)
-        std::copy_n(static_cast<const float*>(base) + at, width, rows + j * D);
+        std::copy_n(static_cast<const float*>(base) + at, width, dst);
       else
-        ops.f16_to_f32(width, static_cast<const uint16_t*>(base) + at, rows + j * D);
+        ops.f16_to_f32(width, static_cast<const uint16_t*>(base) + at, dst);
       if (++in_page == bs) { in_page = 0; ++b; }
     }
   };
   const int64_t n = pos0 + n_tokens;  // keys the last token sees
-  for (int64_t j0 = 0; j0 < n; j0 += T) {
+  // Token t sees keys [first(t), pos0 + t]: all of them, or the last `window`.
+  auto first = [&](int t) { return window > 0 ? std::max<int64_t>(0, pos0 + t + 1 - window) : int64_t(0); };
+  const int64_t begin = first(0);  // the block's first token's window starts first
+  for (int64_t j0 = begin / T * T; j0 < n; j0 += T) {
     const int m = int(std::min<int64_t>(T, n - j0));
-    gather(kv.k_base, j0, m, D);
+    const int lo = int(std::max<int64_t>(0, begin - j0));  // rows no token of the block reads
+    if (lo > 0) std::fill(rows, rows + size_t(lo) * D, 0.f);
+    gather(kv.k_base, j0 + lo, m - lo, D, lo);
     ops.dot_block_f32(D, qr, D, R, rows, D, m, scores, T);
     for (int r = 0; r < R; ++r) {
       float* sc = scores + size_t(r) * T;
-      // Keys this row's token may see in the tile (at least one: position 0 is in the first).
-      const int seen = int(std::clamp<int64_t>(pos0 + r / G + 1 - j0, 0, m));
-      if (seen == 0) {
+      // The keys this row's token sees in the tile: [a, b) of it.
+      const int a = int(std::clamp<int64_t>(first(r / G) - j0, 0, m));
+      const int b = int(std::clamp<int64_t>(pos0 + r / G + 1 - j0, 0, m));
+      if (b <= a) {
         std::fill(sc, sc + m, 0.f);
         continue;
       }
-      for (int j = 0; j < seen; ++j) sc[j] *= scale;
-      softmax_tile_step(ops, sc, seen, j0 == 0, !kv.f32, mx[r], sum[r], acc + size_t(r) * Dv, Dv);
-      std::fill(sc + seen, sc + m, 0.f);
+      for (int j = a; j < b; ++j) sc[j] *= scale;
+      softmax_tile_step(ops, sc + a, b - a, j0 <= first(r / G), !kv.f32, mx[r], sum[r], acc + size_t(r) * Dv, Dv);
+      std::fill(sc, sc + a, 0.f);
+      std::fill(sc + b, sc + m, 0.f);
     }
-    if (kv.v_base != kv.k_base) gather(kv.v_base, j0, m, Dv);  // else the K rows' prefix is V
+    if (kv.v_base != kv.k_base) gather(kv.v_base, j0 + lo, m - lo, Dv, lo);  // else the K rows' prefix is V
     ops.axpy_block_f32(Dv, scores, T, R, rows, D, m, acc, Dv);
   }
   for (int t = 0; t < n_tokens; ++t)

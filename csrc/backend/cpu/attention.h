@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cpu/vec_ops.h"
+
 namespace tf::cpu {
 
 struct PagedKv {
@@ -31,6 +33,9 @@ constexpr int kAttentionTile = 256;
 // F16 KV numerics); with a float cache everything stays in float.
 void paged_attention(const float* q, int n_heads, int head_dim, const PagedKv& kv, int64_t n, float scale,
                      float* out);
+// The same over positions [begin, n) only (a sliding window), with the given vector ops.
+void paged_attention(const float* q, int n_heads, int head_dim, const PagedKv& kv, int64_t begin, int64_t n,
+                     float scale, float* out, const VecOps& ops);
 
 // Query rows one prefill block attends with at once (tokens x heads sharing a KV head).
 constexpr int kAttentionBlockRows = 64;
@@ -43,5 +48,10 @@ constexpr int kAttentionBlockRows = 64;
 // products — prefill's attention cost is there, not in the per-query loop above.
 void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, int n_heads, int head_dim,
                             const PagedKv& kv, int64_t pos0, float scale, float* out, int64_t out_token_stride);
+// The same with a sliding window (window > 0: token t sees its last `window` positions only)
+// and the given vector ops.
+void paged_attention_causal(const float* q, int64_t token_stride, int n_tokens, int n_heads, int head_dim,
+                            const PagedKv& kv, int64_t pos0, int64_t window, float scale, float* out,
+                            int64_t out_token_stride, const VecOps& ops);
 
 }  // namespace tf::cpu

@@ -1,108 +1,454 @@
-// The CPU implementation of the backend seam: products and activation quantization on the
-// thread pool through the runtime-dispatched kernels (kernels.h), attention through
-// attention.h, the small per-row operations through vec_ops.
+// The CPU backend: every op of the seam on a thread pool it owns, through the kernels of one
+// instruction set (the best this CPU has, or a cap for tests): the low-bit products of the
+// kernel table (activations quantized once per layout a group of weights needs), paged
+// attention (attention.h), the vector primitives (vec_ops.h), routing (moe/router).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/attention.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/kernel_table.h"
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/kernels_internal.h"
 #include "backend/cpu/vec_ops.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "kv/kv_cache.h"
+#include "quant/traits.h"
 
 namespace tf {
 
 namespace {
 
+constexpr size_t kLayouts = 3;  // cpu::ActLayout values
+
+struct MatmulJob {
+  Weight w;
+  const uint8_t* xq;
+  size_t xq_stride;
+  int64_t ncols;
+  float* y;
+  int64_t ldy;
+};
+
+void free_host(void* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+
 class CpuBackend final : public Backend {
  public:
-  const char* name() const override { return "cpu"; }
+  CpuBackend(int threads, CpuIsa isa) : isa_(isa), ops_(cpu::vec_ops_for(isa)), pool_(threads) {}
 
-  ActLayout act_layout(GgmlType wt) const override { return cpu::act_layout(wt); }
-  size_t act_row_bytes(GgmlType wt, int64_t k) const override { return cpu::act_row_bytes(wt, k); }
+  std::string name() const override { return std::string("cpu (") + isa_name(isa_) + ")"; }
+  int threads() const override { return pool_.size(); }
+  bool supports(GgmlType t) const override { return cpu::find_kernels(t) != nullptr; }
+  std::string supported_types() const override { return computable_type_names(); }
+  void set_interruptible(bool on) override { pool_.set_interruptible(on); }
 
-  void quantize_acts(unsigned mask, const GgmlType* rep, const float* x, int64_t rows, int64_t k, int64_t ldx,
-                     uint8_t* const* dst, const size_t* stride, ThreadPool& pool) const override {
-    // One parallel section for all layouts: each thread quantizes its rows into each of them.
-    pool.parallel_for(rows, 8, [&](int64_t b, int64_t e) {
-      for (size_t l = 0; l < kActLayouts; ++l) {
+  // -- memory ------------------------------------------------------------------------------
+  Buffer alloc(size_t bytes, BufferKind) override {
+    // Host memory whatever the kind: on a CPU the three are the same memory.
+    void* p = ::operator new(std::max<size_t>(bytes, 1), std::align_val_t(64), std::nothrow);
+    return p ? Buffer(p, bytes, BufferKind::Host, free_host) : Buffer();
+  }
+
+  uint64_t reserve_products(const std::vector<ProductShape>& shapes, int64_t max_rows, bool count_only) override {
+    size_t stride[kLayouts] = {}, gstride[kLayouts] = {};
+    int64_t grows[kLayouts] = {};
+    for (const ProductShape& s : shapes) {
+      if (s.rows <= 0 || s.k <= 0) continue;
+      const size_t l = layout(s.type);
+      const size_t b = cpu::act_row_bytes(s.type, s.k);
+      if (s.grouped) {
+        gstride[l] = std::max(gstride[l], b);
+        grows[l] = std::max(grows[l], s.rows);
+      }
+      stride[l] = std::max(stride[l], b);  // a gathered list quantizes its source rows first
+    }
+    uint64_t bytes = 0;
+    for (size_t l = 0; l < kLayouts; ++l) {
+      const size_t st = (stride[l] + 63) & ~size_t(63), gst = (gstride[l] + 63) & ~size_t(63);
+      bytes += uint64_t(st) * uint64_t(st ? max_rows : 0) + uint64_t(gst) * uint64_t(grows[l]);
+      if (count_only) continue;
+      act_[l].stride = st;
+      act_[l].rows = st ? max_rows : 0;
+      act_[l].data.assign(st * size_t(act_[l].rows), 0);
+      grouped_[l].stride = gst;
+      grouped_[l].rows = grows[l];
+      grouped_[l].data.assign(gst * size_t(grows[l]), 0);
+    }
+    if (!count_only) jobs_.reserve(256);
+    return bytes;
+  }
+
+  void to_host(void* dst, const void* src, size_t n) override {
+    if (dst != src) std::memcpy(dst, src, n);
+  }
+  void from_host(void* dst, const void* src, size_t n) override {
+    if (dst != src) std::memcpy(dst, src, n);
+  }
+
+  // -- products ----------------------------------------------------------------------------
+  void matmul(const float* x, int64_t T, int64_t ldx, const Product* ps, size_t n) override {
+    if (n == 0 || T == 0) return;
+    GgmlType rep[kLayouts] = {};
+    unsigned mask = 0;
+    const int64_t k = ps[0].w->k;
+    for (size_t i = 0; i < n; ++i) {
+      TF_CHECK(ps[i].w->k == k, "matmul: the products of a group take the same input");
+      const size_t l = layout(ps[i].w->type);
+      if (!(mask & (1u << l))) rep[l] = ps[i].w->type;
+      mask |= 1u << l;
+    }
+    quantize(mask, rep, x, T, k, ldx, act_, nullptr);
+    jobs_.clear();
+    for (size_t i = 0; i < n; ++i) {
+      const Act& a = act_[layout(ps[i].w->type)];
+      jobs_.push_back({*ps[i].w, a.data.data(), a.stride, T, ps[i].y, ps[i].ldy});
+    }
+    run_jobs();
+  }
+
+  void matmul_stack(const float* x, int64_t ldx, const Grouping& g, const StackProduct* ps, size_t n) override {
+    if (n == 0 || g.last <= g.first) return;
+    if (!g.offsets) return matmul_batched(x, ldx, g, ps, n);
+    const int64_t base = g.offsets[g.first], rows = g.offsets[g.last] - base;
+    if (rows == 0) return;
+    GgmlType rep[kLayouts] = {};
+    unsigned mask = 0;
+    const int64_t k = ps[0].w->first.k;
+    for (size_t i = 0; i < n; ++i) {
+      TF_CHECK(ps[i].w->first.k == k, "matmul_stack: the products take the same input");
+      const size_t l = layout(ps[i].w->first.type);
+      if (!(mask & (1u << l))) rep[l] = ps[i].w->first.type;
+      mask |= 1u << l;
+    }
+    if (g.gather) {
+      // Each source row quantized once, then copied into list order for every layout.
+      int64_t n_src = 0;
+      for (int64_t i = base; i < base + rows; ++i) n_src = std::max<int64_t>(n_src, g.gather[i] + 1);
+      quantize(mask, rep, x, n_src, k, ldx, act_, nullptr);
+      for (size_t l = 0; l < kLayouts; ++l) {
         if (!(mask & (1u << l))) continue;
-        for (int64_t c = b; c < e; ++c) cpu::quantize_act_row(rep[l], x + c * ldx, dst[l] + size_t(c) * stride[l], k);
+        check_rows(grouped_[l], rows, rep[l], k);
+        const size_t S = grouped_[l].stride, A = act_[l].stride, B = cpu::act_row_bytes(rep[l], k);
+        for (int64_t i = 0; i < rows; ++i)
+          std::memcpy(grouped_[l].data.data() + size_t(i) * S, act_[l].data.data() + size_t(g.gather[base + i]) * A, B);
+      }
+    } else {
+      quantize(mask, rep, x + base * ldx, rows, k, ldx, grouped_, nullptr);
+    }
+    jobs_.clear();
+    for (size_t i = 0; i < n; ++i) {
+      const Act& a = grouped_[layout(ps[i].w->first.type)];
+      for (int64_t e = g.first; e < g.last; ++e) {
+        const int64_t off = g.offsets[e], c = g.offsets[e + 1] - off;
+        if (c == 0) continue;
+        jobs_.push_back({ps[i].w->at(e - g.first), a.data.data() + size_t(off - base) * a.stride, a.stride, c,
+                         ps[i].y + off * ps[i].ldy, ps[i].ldy});
+      }
+    }
+    run_jobs();
+  }
+
+  // Per-head products: when the heads' input rows interleave (row t of matrix e at
+  // x + t * ldx + e * x_mat, ldx = n_mat * x_mat) all T x n_mat rows are quantized as one batch
+  // and each matrix reads every n_mat-th of them.
+  void matmul_batched(const float* x, int64_t ldx, const Grouping& g, const StackProduct* ps, size_t n) {
+    const int64_t M = g.last - g.first;
+    TF_CHECK(ldx == M * g.x_mat, "matmul_stack: batched inputs must interleave (ldx = matrices x x_mat)");
+    GgmlType rep[kLayouts] = {};
+    unsigned mask = 0;
+    const int64_t k = ps[0].w->first.k;
+    for (size_t i = 0; i < n; ++i) {
+      const size_t l = layout(ps[i].w->first.type);
+      if (!(mask & (1u << l))) rep[l] = ps[i].w->first.type;
+      mask |= 1u << l;
+    }
+    quantize(mask, rep, x, g.rows * M, k, g.x_mat, grouped_, nullptr);
+    jobs_.clear();
+    for (size_t i = 0; i < n; ++i) {
+      const Act& a = grouped_[layout(ps[i].w->first.type)];
+      for (int64_t e = 0; e < M; ++e)
+        jobs_.push_back({ps[i].w->at(e), a.data.data() + size_t(e) * a.stride, size_t(M) * a.stride, g.rows,
+                         ps[i].y + e * g.y_mat, ps[i].ldy});
+    }
+    run_jobs();
+  }
+
+  // -- rows --------------------------------------------------------------------------------
+  void rmsnorm(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t T, int64_t n,
+               float eps) override {
+    rows(T, n, [&](int64_t t) {
+      const float* xr = x + t * ldx;
+      float* yr = y + t * ldy;
+      double sum = 0.0;  // double accumulation, like ggml
+      for (int64_t i = 0; i < n; ++i) sum += double(xr[i] * xr[i]);
+      const float scale = 1.0f / std::sqrt(float(sum / double(n)) + eps);
+      if (w)
+        for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] * scale) * w[i];
+      else
+        for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * scale;
+    });
+  }
+
+  void rope(float* v, int64_t T, int64_t ldv, int n_heads, int64_t head_stride, int64_t at, const float* cs,
+            int64_t ldcs, int rope_dim, bool neox, bool inverse) override {
+    const int half = rope_dim / 2;
+    rows(T, int64_t(n_heads) * rope_dim, [&](int64_t t) {
+      const float* c = cs + t * ldcs;
+      for (int h = 0; h < n_heads; ++h) {
+        float* p = v + t * ldv + h * head_stride + at;
+        for (int i = 0; i < half; ++i) {
+          const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+          const float co = c[2 * i], si = inverse ? -c[2 * i + 1] : c[2 * i + 1];
+          const float x0 = p[a], x1 = p[b];
+          p[a] = x0 * co - x1 * si;
+          p[b] = x0 * si + x1 * co;
+        }
       }
     });
   }
 
-  void matmul(const MatmulJob* jobs, size_t n_jobs, ThreadPool& pool) const override {
+  void silu_mul(float* g, int64_t ldg, const float* u, int64_t ldu, int64_t T, int64_t n, int64_t split) override {
+    rows(T, n, [&](int64_t t) {
+      float* gr = g + t * ldg;
+      const float* ur = u + t * ldu;
+      if (split > 0 && split < n) {  // each TP rank's part on its own (vector body and tail as there)
+        ops_.silu_mul(split, gr, ur, gr);
+        ops_.silu_mul(n - split, gr + split, ur + split, gr + split);
+      } else {
+        ops_.silu_mul(n, gr, ur, gr);
+      }
+    });
+  }
+
+  void add(float* y, const float* x, int64_t n) override {
+    chunks(n, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) y[i] += x[i];
+    });
+  }
+
+  void add_bias(float* y, int64_t ldy, const float* b, int64_t T, int64_t n) override {
+    rows(T, n, [&](int64_t t) {
+      float* yr = y + t * ldy;
+      for (int64_t i = 0; i < n; ++i) yr[i] += b[i];
+    });
+  }
+
+  void add_scaled(float* y, int64_t ldy, const float* x, int64_t ldx, const float* s, int64_t T, int64_t n,
+                  bool sigmoid) override {
+    rows(T, n, [&](int64_t t) {
+      const float g = sigmoid ? 1.f / (1.f + std::exp(-s[t])) : s[t];
+      float* yr = y + t * ldy;
+      const float* xr = x + t * ldx;
+      for (int64_t i = 0; i < n; ++i) yr[i] += g * xr[i];
+    });
+  }
+
+  void copy_rows(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t T, int64_t n) override {
+    rows(T, n, [&](int64_t t) { std::memcpy(dst + t * ldd, src + t * lds, size_t(n) * sizeof(float)); });
+  }
+
+  void fill(float* dst, int64_t n, float v) override { std::fill(dst, dst + n, v); }
+
+  void embed(const Weight& table, const int32_t* tokens, int64_t T, float* out, int64_t ldo) override {
+    const TypeTraits* tr = find_type_traits(uint32_t(table.type));
+    TF_CHECK(tr && tr->dequantize_ref, "embed: no dequantization for the table's type");
+    for (int64_t t = 0; t < T; ++t)
+      tr->dequantize_ref(table.data + size_t(tokens[t]) * table.row_stride, out + t * ldo, table.k);
+  }
+
+  // -- cache and attention -----------------------------------------------------------------
+  void store_rows(const float* src, int64_t lds, int64_t n, void* const* dst, int64_t count, KvType t) override {
+    rows(count, n, [&](int64_t i) {
+      if (t == KvType::F16)
+        ops_.f32_to_f16(n, src + i * lds, static_cast<uint16_t*>(dst[i]));
+      else
+        std::memcpy(dst[i], src + i * lds, size_t(n) * sizeof(float));
+    });
+  }
+
+  void attention(const AttentionBatch& a, const KvLayer& kv) override;
+
+  // -- mixture of experts ------------------------------------------------------------------
+  void route(const moe::RouterConfig& cfg, const float* logits, int64_t T, const Routing& r) override {
+    const int NE = cfg.n_expert, K = cfg.n_used;
+    if (route_scratch_.size() < size_t(3 * NE)) route_scratch_.resize(size_t(3 * NE));  // once per model
+    moe::route(cfg, logits, T, r.ids, r.weights, route_scratch_.data());
+    // Counting sort of the (token, slot) pairs by expert (token order kept within an expert).
+    int32_t* off = r.offsets;
+    std::fill(off, off + NE + 1, 0);
+    for (int64_t i = 0; i < T * K; ++i) ++off[r.ids[i] + 1];
+    for (int e = 0; e < NE; ++e) off[e + 1] += off[e];
+    if (fill_.size() < size_t(NE)) fill_.resize(size_t(NE));
+    std::copy(off, off + NE, fill_.begin());
+    for (int64_t t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) {
+        const int32_t row = fill_[size_t(r.ids[t * K + k])]++;
+        r.rows[row] = int32_t(t);
+        r.slot_of[t * K + k] = row;
+      }
+  }
+
+  void combine(float* out, int64_t ldo, const float* eo, int64_t lde, int64_t T, int64_t n, const Routing& r,
+               int K, int lo, int hi) override {
+    rows(T, n * K, [&](int64_t t) {
+      float* xt = out + t * ldo;
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = r.ids[t * K + k];
+        if (e < lo || e >= hi) continue;  // another rank's (or part's) expert
+        const float w = r.weights[t * K + k];
+        const float* o = eo + int64_t(r.slot_of[t * K + k]) * lde;
+        for (int64_t i = 0; i < n; ++i) xt[i] += w * o[i];
+      }
+    });
+  }
+
+ private:
+  struct Act {
+    std::vector<uint8_t> data;
+    size_t stride = 0;
+    int64_t rows = 0;
+  };
+
+  size_t layout(GgmlType t) const {
+    const cpu::CpuKernels* k = cpu::find_kernels(t);
+    if (!k) cpu::act_layout(t);  // throws, naming the type
+    return size_t(k->act);
+  }
+  static void check_rows(const Act& a, int64_t rows, GgmlType t, int64_t k) {
+    TF_CHECK(rows <= a.rows && cpu::act_row_bytes(t, k) <= a.stride, "cpu backend: ", rows,
+             " activation rows exceed the reserved working memory");
+  }
+
+  // Rows of x quantized into every layout of `mask`, one parallel section for all of them.
+  void quantize(unsigned mask, const GgmlType* rep, const float* x, int64_t T, int64_t k, int64_t ldx, Act* bufs,
+                const int32_t*) {
+    for (size_t l = 0; l < kLayouts; ++l)
+      if (mask & (1u << l)) check_rows(bufs[l], T, rep[l], k);
+    pool_.parallel_for(T, 8, [&](int64_t b, int64_t e) {
+      for (size_t l = 0; l < kLayouts; ++l) {
+        if (!(mask & (1u << l))) continue;
+        for (int64_t c = b; c < e; ++c)
+          cpu::detail::quantize_act_row_isa(isa_, rep[l], x + c * ldx, bufs[l].data.data() + size_t(c) * bufs[l].stride,
+                                            k);
+      }
+    });
+  }
+
+  void run_jobs() {
     // Every job's rows are cut into chunks of whole 16-row tiles, about kChunksPerThread chunks
     // per thread over all jobs together; threads claim chunks as they come free, so a slow or
     // descheduled thread holds back one chunk, not a fixed share.
     int64_t total = 0;
-    for (size_t i = 0; i < n_jobs; ++i) total += jobs[i].w.rows;
+    for (const MatmulJob& j : jobs_) total += j.w.rows;
     if (total == 0) return;
-    const int64_t target = int64_t(pool.size()) * ThreadPool::kChunksPerThread;
+    const int64_t target = int64_t(pool_.size()) * ThreadPool::kChunksPerThread;
     const int64_t per =
-        pool.size() == 1 ? total : std::max<int64_t>(16, ((total + target - 1) / target + 15) & ~int64_t(15));
-    thread_local std::vector<int64_t> first_chunk;  // of each job (reused: no allocation per call)
-    first_chunk.clear();
+        pool_.size() == 1 ? total : std::max<int64_t>(16, ((total + target - 1) / target + 15) & ~int64_t(15));
+    first_chunk_.clear();
     int64_t n_chunks = 0;
-    for (size_t i = 0; i < n_jobs; ++i) {
-      first_chunk.push_back(n_chunks);
-      n_chunks += (jobs[i].w.rows + per - 1) / per;
+    for (const MatmulJob& j : jobs_) {
+      first_chunk_.push_back(n_chunks);
+      n_chunks += (j.w.rows + per - 1) / per;
     }
-    const std::vector<int64_t>& begin = first_chunk;  // the caller's, read by the workers
-    pool.run_chunks(n_chunks, [&](int64_t c, int) {
-      const size_t ji = size_t(std::upper_bound(begin.begin(), begin.end(), c) - begin.begin()) - 1;
-      const MatmulJob& j = jobs[ji];
-      const int64_t r0 = (c - begin[ji]) * per, r1 = std::min(j.w.rows, r0 + per);
-      cpu::matmul_rows(j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride, j.ncols, j.y, j.ldy);
+    pool_.run_chunks(n_chunks, [&](int64_t c, int) {
+      const size_t ji = size_t(std::upper_bound(first_chunk_.begin(), first_chunk_.end(), c) - first_chunk_.begin()) - 1;
+      const MatmulJob& j = jobs_[ji];
+      const int64_t r0 = (c - first_chunk_[ji]) * per, r1 = std::min(j.w.rows, r0 + per);
+      cpu::detail::matmul_rows_isa(isa_, j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride,
+                                   j.ncols, j.y, j.ldy);
     });
   }
 
-  void attention(const float* q, int n_heads, int head_dim, const PagedKv& kv, int64_t n, float scale,
-                 float* out) const override {
-    cpu::paged_attention(q, n_heads, head_dim, kv, n, scale, out);
-  }
-  void attention_causal(const float* q, int64_t token_stride, int n_tokens, int n_heads, int head_dim,
-                        const PagedKv& kv, int64_t pos0, float scale, float* out,
-                        int64_t out_token_stride) const override {
-    cpu::paged_attention_causal(q, token_stride, n_tokens, n_heads, head_dim, kv, pos0, scale, out, out_token_stride);
-  }
-
-  void rmsnorm(const float* x, const float* w, float* y, int64_t n, float eps) const override {
-    double sum = 0.0;  // double accumulation, like ggml
-    for (int64_t i = 0; i < n; ++i) sum += double(x[i] * x[i]);
-    const float scale = 1.0f / std::sqrt(float(sum / double(n)) + eps);
-    for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * scale) * w[i];
-  }
-
-  void rope(float* v, const float* cs, int rope_dim, bool neox) const override {
-    const int half = rope_dim / 2;
-    for (int i = 0; i < half; ++i) {
-      const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-      const float c = cs[2 * i], s = cs[2 * i + 1];
-      const float x0 = v[a], x1 = v[b];
-      v[a] = x0 * c - x1 * s;
-      v[b] = x0 * s + x1 * c;
+  // fn(t) for T rows of about `width` values each: in parallel when there is enough work.
+  template <typename Fn>
+  void rows(int64_t T, int64_t width, Fn fn) {
+    if (T <= 1 || T * width < (int64_t(1) << 14)) {
+      for (int64_t t = 0; t < T; ++t) fn(t);
+      return;
     }
+    pool_.parallel_for(T, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) fn(t);
+    });
+  }
+  template <typename Fn>
+  void chunks(int64_t n, Fn fn) {
+    if (n < (int64_t(1) << 16)) return fn(0, n);
+    pool_.parallel_for(n, 4096, fn);
   }
 
-  void silu_mul(int64_t n, const float* g, const float* u, float* out) const override {
-    cpu::vec_ops().silu_mul(n, g, u, out);
-  }
-
-  void store_row(const float* src, void* dst, int64_t n, bool f16) const override {
-    if (f16)
-      cpu::vec_ops().f32_to_f16(n, src, static_cast<uint16_t*>(dst));
-    else
-      std::memcpy(dst, src, size_t(n) * sizeof(float));
-  }
+  CpuIsa isa_;
+  const cpu::VecOps& ops_;
+  ThreadPool pool_;
+  Act act_[kLayouts], grouped_[kLayouts];
+  std::vector<MatmulJob> jobs_;
+  std::vector<int64_t> first_chunk_;
+  std::vector<float> route_scratch_;
+  std::vector<int32_t> fill_;
+  std::vector<std::pair<int64_t, int>> blocks_;  // attention: runs of one sequence's tokens
 };
+
+void CpuBackend::attention(const AttentionBatch& a, const KvLayer& kv) {
+  const KvPool& pool = *kv.pool;
+  const int group = a.group, HK = a.n_cache_heads;
+  // Tokens go in blocks: a run of consecutive positions of one sequence (a prefill chunk), up
+  // to kAttentionBlockRows query rows, is attended at once (its K/V tiles converted once); a
+  // lone token (decode) takes the single-query kernel. One item per (block, cache head): the
+  // `group` query heads that share the cache head read its pages together. Items go in
+  // contiguous runs, many more runs than threads: causal prefill's triangular cost evens out
+  // because threads claim runs as they come free.
+  const int max_block = std::max(1, cpu::kAttentionBlockRows / group);
+  blocks_.clear();
+  for (int64_t t = 0; t < a.T; ++t) {
+    if (!blocks_.empty()) {
+      auto& [t0, nt] = blocks_.back();
+      if (nt < max_block && a.seq[t] == a.seq[t0] && a.end[t] == a.end[t0] + nt) {
+        ++nt;
+        continue;
+      }
+    }
+    blocks_.emplace_back(t, 1);
+  }
+  // Fewer items than threads (decode of one sequence under MLA, whose one cache head serves
+  // every query head): the query heads of a cache head are split into parts, each read against
+  // the pages on its own. The kernels give every head the same bits whichever heads it is
+  // computed with, so this changes no result.
+  const int64_t base_items = int64_t(blocks_.size()) * HK;
+  const int parts = int(std::min<int64_t>(group, std::max<int64_t>(1, int64_t(pool_.size()) / base_items)));
+  const int64_t items = base_items * parts;
+  const int64_t runs = std::min<int64_t>(items, int64_t(pool_.size()) * 16);
+  const bool f32 = pool.type() == KvType::F32;
+  pool_.run_chunks(runs, [&](int64_t r, int) {
+    for (int64_t it = r * items / runs; it < (r + 1) * items / runs; ++it) {
+      const int part = int(it % parts);
+      const auto [t, nt] = blocks_[size_t(it / parts / HK)];
+      const int g = int(it / parts % HK);
+      const int h0 = group * part / parts, h1 = group * (part + 1) / parts;  // this item's query heads
+      const cpu::PagedKv pages{pool.k_block(kv.layer, 0, g), pool.v_block(kv.layer, 0, g), pool.page_stride(),
+                               pool.block_table(a.seq[t]).data(), pool.block_size(), f32, a.v_dim};
+      const float* qt = a.q + t * a.q_stride + (int64_t(g) * group + h0) * a.head_dim;
+      float* ot = a.out + t * a.out_stride + (int64_t(g) * group + h0) * a.v_dim;
+      const int64_t end = a.end[t], begin = a.window > 0 ? std::max<int64_t>(0, end - a.window) : 0;
+      if (nt == 1)
+        cpu::paged_attention(qt, h1 - h0, a.head_dim, pages, begin, end, a.scale, ot, ops_);
+      else
+        cpu::paged_attention_causal(qt, a.q_stride, nt, h1 - h0, a.head_dim, pages, end - 1, a.window, a.scale, ot,
+                                    a.out_stride, ops_);
+    }
+  });
+}
 
 }  // namespace
 
-const Backend& cpu_backend() {
-  static const CpuBackend backend;
-  return backend;
+std::unique_ptr<Backend> make_cpu_backend(int threads, CpuIsa isa) {
+  TF_CHECK(cpu::detail::isa_available(isa), "cpu backend: this CPU (or build) lacks ", isa_name(isa));
+  return std::make_unique<CpuBackend>(std::max(1, threads), isa);
 }
 
 }  // namespace tf

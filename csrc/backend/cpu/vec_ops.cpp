@@ -69,22 +69,29 @@ const VecOps kScalar = {f32_to_f16_scalar,   exp_sub_sum_scalar, silu_mul_scalar
 
 const VecOps& vec_ops_scalar() { return kScalar; }
 
-const VecOps& vec_ops() {
-  static const VecOps* ops = [] {
+const VecOps& vec_ops_for(CpuIsa isa) {
 #if defined(TF_HAVE_X86_KERNELS)
-    // An entry an ISA's table leaves empty falls back to the next ISA down.
-    if (best_isa() == CpuIsa::Avx512) {
-      static VecOps merged = *vec_ops_avx512_table();
+  // An entry an ISA's table leaves empty falls back to the next ISA down.
+  if (isa == CpuIsa::Avx512) {
+    static const VecOps merged = [] {
+      VecOps m = *vec_ops_avx512_table();
       const VecOps& avx2 = *vec_ops_avx2_table();
-      if (!merged.dot_block_f32) merged.dot_block_f32 = avx2.dot_block_f32;
-      if (!merged.axpy_block_f32) merged.axpy_block_f32 = avx2.axpy_block_f32;
-      return static_cast<const VecOps*>(&merged);
-    }
-    if (best_isa() == CpuIsa::Avx2) return vec_ops_avx2_table();
+      if (!m.dot_block_f32) m.dot_block_f32 = avx2.dot_block_f32;
+      if (!m.axpy_block_f32) m.axpy_block_f32 = avx2.axpy_block_f32;
+      return m;
+    }();
+    return merged;
+  }
+  if (isa == CpuIsa::Avx2) return *vec_ops_avx2_table();
+#else
+  (void)isa;
 #endif
-    return &kScalar;
-  }();
-  return *ops;
+  return kScalar;
+}
+
+const VecOps& vec_ops() {
+  static const VecOps& ops = vec_ops_for(best_isa());
+  return ops;
 }
 
 }  // namespace tf::cpu

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "core/cpu_features.h"
+
 namespace tf::cpu {
 
 struct VecOps {
@@ -29,5 +31,7 @@ struct VecOps {
 
 const VecOps& vec_ops();
 const VecOps& vec_ops_scalar();
+// The ops of one instruction set (it must be available: detail::isa_available).
+const VecOps& vec_ops_for(CpuIsa isa);
 
 }  // namespace tf::cpu

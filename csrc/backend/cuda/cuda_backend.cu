@@ -79,6 +79,8 @@ struct DeviceBuffer {
 
 bool built_with_cuda() { return true; }
 
+bool forward_supported() { return false; }
+
 int device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

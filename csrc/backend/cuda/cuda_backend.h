@@ -11,6 +11,8 @@ namespace tf::cuda {
 bool built_with_cuda();
 // Number of usable devices (0 when built without CUDA or no driver/device is present).
 int device_count();
+// Whether this build's CUDA backend runs whole forward passes (backend='auto' picks it then).
+bool forward_supported();
 std::string device_name(int device);
 
 // Host-to-host helpers for tests: upload, run the kernel, download.

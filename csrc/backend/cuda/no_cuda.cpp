@@ -5,6 +5,8 @@
 namespace tf::cuda {
 
 bool built_with_cuda() { return false; }
+bool forward_supported() { return false; }
+
 int device_count() { return 0; }
 std::string device_name(int) { return ""; }
 

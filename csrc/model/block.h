@@ -1,0 +1,96 @@
+// The pieces a layer is made of. A layer is an attention block and an FFN block joined by a
+// residual policy; each block owns its weights (loaded by its constructor), its TP shard plan
+// (prepare), its scratch needs (plan_scratch), its KV spec (attention), its calibration hooks
+// and its forward. The kinds are chosen per layer from the architecture table; model/kinds.cpp
+// makes the block of each kind. Blocks run every operation through the backend seam and name
+// no ISA and no architecture.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "kv/kv_cache.h"
+#include "model/activation_stats.h"
+#include "model/model_config.h"
+#include "model/scratch.h"
+#include "model/weights.h"
+
+namespace tf {
+
+struct BatchToken {
+  int32_t token = 0;
+  int32_t pos = 0;      // position within its sequence
+  int32_t seq = 0;      // KV cache sequence slot
+  bool want_logits = false;
+};
+
+// What one forward gives every block.
+struct StepContext {
+  Backend& be;
+  KvCache& kv;
+  const ModelConfig& cfg;
+  const TpShard& tp;
+  const std::vector<BatchToken>& batch;
+  int64_t T = 0;
+  const int32_t* tokens = nullptr;  // [T] token ids (host)
+  const int32_t* seq = nullptr;     // [T] sequence slots (host)
+  const int64_t* end = nullptr;     // [T] position + 1: the cache entries a token reads end there (host)
+  const float* rope_cs = nullptr;   // [T][rope_dim] cos/sin of each token's position (model's rope)
+  int layer = 0;
+  bool calibrating = false;         // blocks record their inputs into their ActivationStats
+};
+
+// Loading-time context of one layer's blocks.
+struct BlockContext {
+  const ModelConfig& cfg;
+  WeightLoader& w;
+  int layer;
+  std::string prefix;  // "blk.N."
+};
+
+class Block {
+ public:
+  virtual ~Block() = default;
+  // After loading: TP=2 reads this rank's slices (w.tp().size == 2); TP=1 in compatible mode
+  // finds the split points of its reductions (the sums TP=2 ranks hold, added in TP=2's order).
+  virtual void prepare(WeightLoader& w) = 0;
+  // The scratch one forward of up to T tokens needs (asked twice: sizes, then pointers).
+  virtual void plan_scratch(Scratch& s, int64_t T) = 0;
+  // Calibration: accumulators for the inputs of its matrices, named after them; nullptr detaches.
+  virtual void attach_stats(ActivationStats* stats) = 0;
+  // x: [T][n_embd] the residual stream; out: [T][n_embd] this rank's (partial) output.
+  virtual void forward(StepContext& ctx, const float* x, float* out) = 0;
+};
+
+class AttentionBlock : public Block {
+ public:
+  virtual KvSpec kv_spec() const = 0;
+};
+
+class FfnBlock : public Block {
+ public:
+  // Tokens routed to each expert so far (empty for a dense block), and the routing trace.
+  virtual std::vector<int64_t>* expert_usage() { return nullptr; }
+  virtual void set_trace(std::vector<int32_t>*) {}
+};
+
+// How the blocks' outputs join the residual stream(s).
+class ResidualPolicy {
+ public:
+  virtual ~ResidualPolicy() = default;
+  virtual void plan_scratch(Scratch& s, int64_t T) = 0;
+  // The streams start from the token embeddings ([T][n_embd]).
+  virtual void begin(StepContext& ctx, const float* emb) = 0;
+  virtual void layer(StepContext& ctx, AttentionBlock& attn, FfnBlock& ffn) = 0;
+  // The hidden state the head reads, [T][n_embd].
+  virtual const float* end(StepContext& ctx) = 0;
+};
+
+// The blocks of each kind (model/kinds.cpp).
+std::unique_ptr<AttentionBlock> make_attention(AttentionKind kind, const BlockContext& c);
+std::unique_ptr<FfnBlock> make_ffn(const BlockContext& c);
+std::unique_ptr<ResidualPolicy> make_residual(const ModelConfig& cfg);
+
+}  // namespace tf

@@ -1,0 +1,95 @@
+// A decoder-only model: the token embedding, one attention block and one FFN block per layer
+// joined by the residual policy (model/block.h: kinds chosen per layer from the architecture
+// table), the final norm and the LM head, over a batch of tokens from any number of sequences
+// reading and writing the KV cache. Weights are views into the mmapped GGUF (or, under TP=2,
+// this rank's slices); all scratch is allocated once by reserve(); every operation runs on the
+// backend.
+//
+// Tensor parallel (TP=2): each block holds its share (attention: a range of KV heads with their
+// query heads, or for MLA of query heads; FFN: half of every width, or half of the experts) and
+// produces a partial sum, completed by one All-Reduce; the LM head holds half of the
+// vocabulary rows.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "gguf/gguf_reader.h"
+#include "kv/kv_cache.h"
+#include "model/activation_stats.h"
+#include "model/block.h"
+#include "model/model_config.h"
+#include "model/scratch.h"
+#include "model/weights.h"
+
+namespace tf {
+
+class Model {
+ public:
+  static constexpr int64_t kMaxLogitRows = 64;  // logits rows one forward may produce
+  // `be` computes (and decides which weight types are accepted); a plan-only shard (or a null
+  // backend) only sizes the model.
+  Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp = TpShard{});
+  ~Model();
+
+  const ModelConfig& config() const { return cfg_; }
+  const TpShard& tp() const { return tp_; }
+  const GgufFile& file() const { return *file_; }
+  uint64_t weight_bytes() const { return loader_.bytes(); }
+  // What each layer keeps in the KV cache (this rank's share).
+  std::vector<KvSpec> kv_specs() const;
+
+  // Scratch for batches of up to max_tokens tokens and sequences up to max_ctx positions,
+  // planned from the blocks' needs (one source); count_only: only the bytes. Returns the bytes
+  // (in double: a hostile geometry gives a huge number, not a wrapped one).
+  double reserve(int max_tokens, int64_t max_ctx, bool count_only = false);
+  int max_tokens() const { return max_tokens_; }
+
+  // Runs the batch. For each token with want_logits, writes n_vocab floats to `logits`
+  // (consecutive rows, batch order). hidden (optional): the last hidden state of every token,
+  // [T][n_embd], before the final norm (draft heads and embeddings read it).
+  void forward(const std::vector<BatchToken>& batch, KvCache& kv, float* logits, float* hidden = nullptr);
+
+  // Tokens routed to each expert so far: [n_layer][n_expert] (zeros for dense layers).
+  std::vector<std::vector<int64_t>> expert_usage() const;
+  void reset_expert_usage();
+  // When on, every MoE layer appends its chosen experts ([T][n_used] per forward) to
+  // routing_trace()[layer]: for checking routing against a reference, not for serving.
+  void set_routing_trace(bool on);
+  const std::vector<std::vector<int32_t>>& routing_trace() const { return trace_; }
+  // Calibration: while set, every forward adds the inputs of every weight matrix to `stats`,
+  // under the weights' GGUF names (a fresh collector); nullptr detaches. TP=1 only.
+  void set_activation_stats(ActivationStats* stats);
+
+ private:
+  struct Layer {
+    std::unique_ptr<AttentionBlock> attn;
+    std::unique_ptr<FfnBlock> ffn;
+  };
+  void plan(Scratch& s, int64_t T);
+  void head(StepContext& ctx, const float* h, float* logits);
+
+  std::shared_ptr<GgufFile> file_;
+  Backend* be_;
+  TpShard tp_;
+  ModelConfig cfg_;
+  WeightLoader loader_;
+  Weight tok_embd_, output_;
+  const float* output_norm_ = nullptr;
+  std::vector<Layer> layers_;
+  std::unique_ptr<ResidualPolicy> residual_;
+  int64_t vocab_begin_ = 0, vocab_end_ = 0;  // this rank's rows of the LM head
+  int max_tokens_ = 0;
+  int64_t max_ctx_ = 0;
+  std::unique_ptr<Scratch> scratch_;
+  float *emb_ = nullptr, *xn_ = nullptr, *rope_cs_ = nullptr, *logits_local_ = nullptr;
+  int32_t *tokens_ = nullptr, *seqs_ = nullptr, *emb_idx_ = nullptr;
+  int64_t* ends_ = nullptr;
+  std::vector<uint8_t> emb_rows_;  // TP: the batch's embedding rows, read with pread
+  std::vector<std::vector<int32_t>> trace_;
+  ActivationStats* stats_ = nullptr;
+  int stat_output_ = -1;
+};
+
+}  // namespace tf
