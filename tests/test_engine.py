@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tensorfold
+from tensorfold import native
 
 FIXTURE = json.loads((pathlib.Path(__file__).parent / "fixtures" / "smollm2_llamacpp.json").read_text("utf-8"))
 GREEDY = FIXTURE["greedy"]
@@ -22,10 +23,9 @@ def engine(smollm2_path):
 
 
 def test_fixture_is_for_this_model(smollm2_path):
-    import hashlib
+    from tensorfold.util import sha256_file
 
-    h = hashlib.sha256(pathlib.Path(smollm2_path).read_bytes()).hexdigest()
-    assert h == FIXTURE["model"]["sha256"]
+    assert sha256_file(smollm2_path) == FIXTURE["model"]["sha256"]
 
 
 # Activations are quantized to 8 bits before every matmul (in llama.cpp too), which makes the
@@ -78,8 +78,8 @@ def test_batched_decode_equals_solo_decode(smollm2_path, engine):
         rid = core.add_request(case["prompt_ids"], N_GEN, 0.0, 1, 1.0, 0.0, 0, [], True)
         streams[rid] = (case, [])
     while core.has_unfinished():
-        for rid, tok, finished, reason in core.step():
-            streams[rid][1].append(tok)
+        for ev in native.step(core):
+            streams[ev.request_id][1].append(ev.token)
     for case, toks in streams.values():
         assert toks == solo[case["prompt"]]
     assert eng.stats()["free_kv_tokens"] == eng.stats()["kv_tokens"]
@@ -210,8 +210,8 @@ def test_kv_pool_exhaustion_preempts_and_recomputes(smollm2_path):
     for c in cases:
         got[core.add_request(c["prompt_ids"], 48, 0.0, 1, 1.0, 0.0, 0, [], True)] = []
     while core.has_unfinished():
-        for rid, tok, finished, reason in core.step():
-            got[rid].append(tok)
+        for ev in native.step(core):
+            got[ev.request_id].append(ev.token)
     assert list(got.values()) == expected
     st = eng.stats()
     assert st["preemptions"] > 0

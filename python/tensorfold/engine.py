@@ -15,23 +15,22 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from . import _core
+from . import _core, native
 from .chat_template import check_roles, render_chat
+from .native import StepEvent
 from .pull import path_error  # noqa: F401 - re-exported: one check of model/input paths
+# The native engine's limits and the request spec (defaults and ranges of every parameter).
+from .request import (DEFAULTS, MAX_CONTEXT, MAX_KV_TOKENS, MAX_TOP_LOGPROBS,  # noqa: F401 - MAX_*: re-exported
+                      PARAMS, Sampling, check_sampling)
 from .tokenizer import TextStream, Tokenizer, clean_text
-
-_INT32_MAX = 2**31 - 1
-# The native engine's limits (csrc/engine/engine.h: Engine::kMaxContext, kMaxKvTokens), checked
-# here first so that every layer states the same range the same way.
-MAX_CONTEXT = 2**24
-MAX_KV_TOKENS = 2**30
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """An argument of the wrong type (e.g. top_k=2.5, temperature="hot", messages="hi"). It is a
-    TypeError; it is also a ValueError, so that code written when these were ValueErrors
-    (`except ValueError`) still catches them. A right type with a bad value is a plain
-    ValueError."""
+# The argument checks every layer shares; ArgumentTypeError (a wrong type: a TypeError that is
+# also a ValueError) is re-exported from here, where it has always been.
+from .util import INT32_MAX as _INT32_MAX
+from .util import ArgumentTypeError
+from .util import check_bool as _check_bool
+from .util import float_in as _float_in
+from .util import int_in as _int_in
+from .util import is_int as _is_int
 
 
 def _piece_text(tokenizer, token: int) -> str:
@@ -80,12 +79,11 @@ class TokenLogprob:
     text: str = ""  # the token's own text (a token inside a UTF-8 character: U+FFFD)
 
     @classmethod
-    def from_native(cls, token: int, lp: tuple, tokenizer=None) -> "TokenLogprob":
-        """From the native step's (logprob, [(token, logprob), ...]); with `tokenizer`, the
+    def from_event(cls, ev: StepEvent, tokenizer=None) -> "TokenLogprob":
+        """From a native step's event that carries log-probabilities; with `tokenizer`, the
         texts of the token and of the top entries are filled in."""
-        return cls(token, float(lp[0]),
-                   [TopLogprob(int(t), float(v), _piece_text(tokenizer, int(t))) for t, v in lp[1]],
-                   _piece_text(tokenizer, token))
+        return cls(ev.token, ev.logprob, [TopLogprob(t, v, _piece_text(tokenizer, t)) for t, v in ev.top or ()],
+                   _piece_text(tokenizer, ev.token))
 
 
 @dataclass
@@ -98,9 +96,6 @@ class Completion:
     finish_reason: str
     usage: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
-
-
-MAX_TOP_LOGPROBS = 20
 
 
 def resolve_model(model: str) -> str:
@@ -175,55 +170,16 @@ def resolve_transport(name: str) -> str:
     return name
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-# Argument checks: a wrong type is a TypeError (ArgumentTypeError), a value out of range a
-# ValueError; both name the valid range.
-def _int_in(name: str, v, lo: int, hi: int = _INT32_MAX, note: str = "") -> int:
-    if not _is_int(v):
-        raise ArgumentTypeError(f"{name} must be an integer in [{lo}, {hi}]{note}, got {v!r} ({type(v).__name__})")
-    if not lo <= v <= hi:
-        raise ValueError(f"{name} must be an integer in [{lo}, {hi}]{note}, got {v!r}")
-    return int(v)
-
-
-def _check_bool(name: str, v) -> bool:
-    if not isinstance(v, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name} must be True or False, not {type(v).__name__}")
-    return bool(v)
-
-
-def _float_in(name: str, v, lo: float, hi: float, lo_open: bool = False, note: str = "") -> float:
-    f = math.nan
-    if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, (bool, np.bool_)):
-        rng = (f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi)
-               else f"{'>' if lo_open else '>='} {lo:g}")
-        raise ArgumentTypeError(f"{name} must be a finite number {'in ' if math.isfinite(hi) else ''}{rng}{note}, "
-                                f"got {v!r} ({type(v).__name__})")
-    try:
-        f = float(v)
-    except OverflowError:  # an int beyond float range
-        pass
-    if not (math.isfinite(f) and (lo < f if lo_open else lo <= f) and f <= hi):
-        rng = (f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi)
-               else f"{'>' if lo_open else '>='} {lo:g}")
-        raise ValueError(f"{name} must be a finite number {'in ' if math.isfinite(hi) else ''}{rng}{note}, "
-                         f"got {v!r}")
-    return f
-
-
 @dataclass
 class _Request:
     """One generation as the Python side tracks it. Its native request may be parked
     (aborted, to be recomputed from prompt + generated tokens) while nobody reads it."""
     ids: list[int]
-    max_tokens: int
-    sampling: tuple  # (temperature, top_k, top_p, min_p, seed, eog ids, ignore_eos)
+    sampling: Sampling  # checked, with its seed drawn when none was given
+    eog_ids: list[int]
     parkable: bool  # resuming gives exactly the tokens it would have produced
     rid: int | None = None  # native id; None while not submitted, parked or finished
-    events: collections.deque = field(default_factory=collections.deque)
+    events: collections.deque[StepEvent] = field(default_factory=collections.deque)
     generated: list[int] = field(default_factory=list)
     top_logprobs: int = -1  # -1: no logprobs; k >= 0: the token's and the k most likely
     park_at: int = 4  # unread events that get an idle stream parked (doubles each time)
@@ -284,7 +240,8 @@ class Engine:
 
     Arguments of the wrong type raise TypeError (ArgumentTypeError, which older code that
     catches ValueError also catches); of the right type but out of range, ValueError. Both
-    messages name the valid range.
+    messages name the valid range. The sampling parameters' defaults and ranges are the request
+    spec's (tensorfold.request.PARAMS), the same the command line and the server use.
     """
 
     def __init__(self, model: str, *, threads: int | None = None, kv_tokens: int | None = None,
@@ -581,24 +538,14 @@ class Engine:
             out.append(m)
         return out, literals
 
-    def _request(self, ids: list[int], *, max_tokens, temperature, top_k, top_p, min_p, seed,
-                 ignore_eos) -> _Request:
-        """Validates the sampling parameters (NaN and inf included) into a request."""
-        max_tokens = _int_in("max_tokens", max_tokens, 0)
-        temperature = _float_in("temperature", temperature, 0.0, math.inf, note=" (0 = greedy)")
-        top_k = _int_in("top_k", top_k, 0, note=" (0 = off)")
-        top_p = _float_in("top_p", top_p, 0.0, 1.0, lo_open=True, note=" (1 = off)")
-        min_p = _float_in("min_p", min_p, 0.0, 1.0, note=" (0 = off)")
-        if seed is not None and not _is_int(seed):
-            raise ArgumentTypeError(f"seed must be an integer (used modulo 2**64) or None, got {seed!r}")
-        ignore_eos = _check_bool("ignore_eos", ignore_eos)
-        greedy = temperature == 0.0 or top_k == 1
-        parkable = greedy or seed is None  # an explicit seed must give the same tokens however read
-        if seed is None:
-            seed = secrets.randbits(63)
-        sampling = (temperature, top_k, top_p, min_p, int(seed) & (2**64 - 1),
-                    sorted(self.tokenizer.eog_ids), bool(ignore_eos))
-        return _Request(ids=ids, max_tokens=max_tokens, sampling=sampling, parkable=parkable)
+    def _request(self, ids: list[int], **sampling) -> _Request:
+        """Checks the sampling parameters (request.PARAMS: types and ranges, NaN and inf
+        included; those not given take their defaults) into a request."""
+        s = check_sampling(**sampling)
+        parkable = s.greedy or s.seed is None  # an explicit seed must give the same tokens however read
+        seed = secrets.randbits(63) if s.seed is None else s.seed & (2**64 - 1)
+        return _Request(ids=ids, sampling=s._replace(seed=seed), eog_ids=sorted(self.tokenizer.eog_ids),
+                        parkable=parkable)
 
     @staticmethod
     def _stops(stop) -> list[str]:
@@ -615,16 +562,16 @@ class Engine:
                 raise ArgumentTypeError(f"stop strings must be str, got {s!r}")
         return [s for s in stops if s]
 
-    def _run(self, req: _Request, stops: list[str]) -> Iterator[tuple[str, int | None, str | None, tuple | None]]:
-        """Yields (text_piece, token_id, finish_reason, logprobs) as tokens arrive; the last
+    def _run(self, req: _Request, stops: list[str]) -> Iterator[tuple[str, int | None, str | None, StepEvent]]:
+        """Yields (text_piece, token_id, finish_reason, event) as tokens arrive; the last
         item has the finish reason. Stop strings are matched on the text and never emitted."""
         text = TextStream(self.tokenizer, stops)
         reason = None
         try:
             while reason is None:
-                token, finished, why, lp = self._next_event(req)
-                emit, reason = text.feed(token, finished, why)
-                yield emit, (token if token >= 0 else None), reason, lp
+                ev = self._next_event(req)
+                emit, reason = text.feed(ev.token, ev.finished, ev.reason)
+                yield emit, (ev.token if ev.token >= 0 else None), reason, ev
         finally:
             self._release(req)
 
@@ -662,9 +609,9 @@ class Engine:
                 r.rid = None
                 r.park_at = min(2 * r.park_at, 256)  # a slow reader is parked less and less often
 
-    def _next_event(self, req: _Request) -> tuple[int, bool, str, tuple | None]:
-        """Next (token, finished, reason, logprobs) of `req`, stepping the engine as needed.
-        Events of other requests (interleaved streams) are queued for them."""
+    def _next_event(self, req: _Request) -> StepEvent:
+        """The next event of `req`, stepping the engine (native.step) as needed. Events of
+        other requests (interleaved streams) are queued for them."""
         if self._owner is not None:
             raise RuntimeError("this engine is driven by a tensorfold.scheduler.Scheduler (e.g. tensorfold "
                                "serve); submit requests through the scheduler, or close it first")
@@ -676,27 +623,26 @@ class Engine:
                     self._drain_aborts(core)
                     if req.rid is None:
                         if req.done:
-                            return (-1, True, "abort", None)
+                            return StepEvent(-1, -1, True, "abort")
                         # first read, or parked: (re)submit prompt + the tokens produced so far
-                        kw = {"top_logprobs": req.top_logprobs} if req.top_logprobs >= 0 else {}
-                        rid = core.add_request(req.ids + req.generated, req.max_tokens - len(req.generated),
-                                               *req.sampling, **kw)
+                        rid = native.add_request(core, req.ids + req.generated, req.sampling,
+                                                 max_tokens=req.sampling.max_tokens - len(req.generated),
+                                                 eog_ids=req.eog_ids, top_logprobs=req.top_logprobs)
                         req.rid = rid
                         self._reqs[rid] = req
                     self._park_idle(core, req)
-                    events = core.step()
+                    events = native.step(core)
                     if not events and not core.has_unfinished():
-                        return (-1, True, "abort", None)
-                    for ev in events:  # (id, token, finished, reason[, logprobs])
-                        rid, tok, finished, why = ev[:4]
-                        r = self._reqs.get(rid)
+                        return StepEvent(-1, -1, True, "abort")
+                    for ev in events:
+                        r = self._reqs.get(ev.request_id)
                         if r is None:
                             continue
-                        r.events.append((tok, finished, why, ev[4] if len(ev) > 4 else None))
-                        if tok >= 0:
-                            r.generated.append(tok)
-                        if finished:
-                            self._reqs.pop(rid, None)
+                        r.events.append(ev)
+                        if ev.token >= 0:
+                            r.generated.append(ev.token)
+                        if ev.finished:
+                            self._reqs.pop(ev.request_id, None)
                             r.rid = None
                             r.done = True
                 return req.events.popleft()
@@ -704,9 +650,10 @@ class Engine:
             req.waiting = False
 
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
-                 max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
-                 min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 ignore_eos: bool = False, logprobs: int | None = None) -> Completion:
+                 max_tokens: int = DEFAULTS["max_tokens"], temperature: float = DEFAULTS["temperature"],
+                 top_k: int = DEFAULTS["top_k"], top_p: float = DEFAULTS["top_p"], min_p: float = DEFAULTS["min_p"],
+                 seed: int | None = DEFAULTS["seed"], stop: str | Sequence[str] | None = None,
+                 ignore_eos: bool = DEFAULTS["ignore_eos"], logprobs: int | None = DEFAULTS["logprobs"]) -> Completion:
         """Completes `prompt` (text, which gets BOS as the model asks, or token ids used
         verbatim), or with messages=[{"role": ..., "content": ...}, ...] the assistant's turn
         of a conversation (roles: system, user, assistant, tool, developer). Generates at most
@@ -715,21 +662,20 @@ class Engine:
         first of `stop` (never included in the text) or end of sequence unless ignore_eos.
         logprobs=k (0..20) also returns each generated token's log-probability and the k most
         likely tokens at its position (Completion.logprobs, with their texts). Returns a
-        Completion."""
+        Completion. The defaults and ranges are tensorfold.request.PARAMS's."""
         self._native()
-        if logprobs is not None:
-            logprobs = _int_in("logprobs", logprobs, 0, MAX_TOP_LOGPROBS, note=" (None = off)")
+        logprobs = PARAMS["logprobs"].check(logprobs)
         ids = self._prompt_ids(prompt, messages)
         req = self._request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, seed=seed, ignore_eos=ignore_eos)
         req.top_logprobs = -1 if logprobs is None else logprobs
         text, tokens, lps, reason = [], [], [], "length"
-        for piece, token, why, lp in self._run(req, self._stops(stop)):
+        for piece, token, why, ev in self._run(req, self._stops(stop)):
             text.append(piece)
             if token is not None:
                 tokens.append(token)
-                if lp is not None:
-                    lps.append(TokenLogprob.from_native(token, lp, self.tokenizer))
+                if ev.logprob is not None:
+                    lps.append(TokenLogprob.from_event(ev, self.tokenizer))
             if why:
                 reason = why
         return Completion(text="".join(text), token_ids=tokens, finish_reason=reason,
@@ -738,9 +684,10 @@ class Engine:
                           logprobs=lps if logprobs is not None else None)
 
     def stream(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
-               max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
-               min_p: float = 0.05, seed: int | None = None, stop: str | Sequence[str] | None = None,
-               ignore_eos: bool = False) -> Iterator[str]:
+               max_tokens: int = DEFAULTS["max_tokens"], temperature: float = DEFAULTS["temperature"],
+               top_k: int = DEFAULTS["top_k"], top_p: float = DEFAULTS["top_p"], min_p: float = DEFAULTS["min_p"],
+               seed: int | None = DEFAULTS["seed"], stop: str | Sequence[str] | None = None,
+               ignore_eos: bool = DEFAULTS["ignore_eos"]) -> Iterator[str]:
         """Like generate(), but yields the text pieces as they are generated (never a split
         UTF-8 character). Arguments are checked here; the request starts with the first read.
         The returned Stream's finish_reason says why it ended ("stop" or "length") once it
@@ -763,7 +710,7 @@ class Stream(Iterator[str]):
     close() ends it early and frees its KV cache."""
 
     def __init__(self, events: Iterator):
-        self._events = events  # Engine._run: (piece, token, finish_reason, logprobs)
+        self._events = events  # Engine._run: (piece, token, finish_reason, event)
         self.finish_reason: str | None = None
 
     def __iter__(self) -> "Stream":

@@ -4,6 +4,8 @@ from __future__ import annotations
 import collections
 
 from . import _core
+from .util import counted as _n
+from .util import human_size  # noqa: F401 - `tensorfold info`'s sizes; importable from here as before
 
 
 def _show(v, limit: int = 80) -> str:
@@ -31,22 +33,7 @@ def _count(v) -> int | None:
         return None
 
 
-def human_size(n: int | float) -> str:
-    """A size in the unit that shows it: GiB from 1 GiB, MiB from 1 MiB, KiB from 1 KiB, else bytes."""
-    if n >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if n >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    if n >= 2**10:
-        return f"{n / 2**10:.1f} KiB"
-    return f"{int(n)} B"
-
-
 _size = human_size
-
-
-def _n(count: int, noun: str, plural: str | None = None) -> str:
-    return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
 def _counted(v, noun: str) -> str:

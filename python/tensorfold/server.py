@@ -7,7 +7,12 @@ native engine (tensorfold.scheduler); results come back to the asyncio handlers 
 loop.call_soon_threadsafe. A client that goes away (its connection closes) has its request
 aborted in the engine, which frees its KV cache.
 
-This module needs FastAPI, uvicorn and prometheus-client (`pip install 'tensorfold[serve]'`);
+Request bodies are checked against the request spec (tensorfold.request): the ranges every
+layer shares, and for a sampling parameter a client leaves out, the OpenAI API's value
+(temperature 1, top_p 1, top_k and min_p off) rather than the Python API's llama.cpp-like
+defaults, since that is what an OpenAI client means by leaving it out.
+
+This module needs FastAPI, pydantic 2, uvicorn and prometheus-client (`pip install 'tensorfold[serve]'`);
 `import tensorfold` does not import it.
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -34,8 +40,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
 from .chat_template import check_role
-from .scheduler import (MAX_TOP_LOGPROBS, Delta, EngineFailed, Observer, QueueFull, Scheduler, SchedulerClosed,
-                        asyncio_sink)
+from .request import HTTP_LEGACY_MAX_TOKENS, ParamError, check_top_logprobs, openai_model, parse_openai
+from .scheduler import Delta, EngineFailed, Observer, QueueFull, Scheduler, SchedulerClosed, asyncio_sink
+from .util import is_int as _is_int
+from .util import is_number as _is_num
+
+if int(pydantic.VERSION.split(".")[0]) < 2:  # FastAPI still runs on pydantic 1; the request models need 2
+    raise ImportError(f"pydantic>=2 is needed, found {pydantic.VERSION}")
 
 log = logging.getLogger("tensorfold.server")
 
@@ -378,32 +389,10 @@ class _Guard:
 
 
 # -- request parsing ---------------------------------------------------------------------
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_num(v) or not math.isfinite(float(v)) or not (lo < v if lo_open else lo <= v) or v > hi:
-        raise _bad(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}", name)
-    return float(v)
-
-
-def _integer(body: dict, name: str, default, lo: int, hi: int = 2**31 - 1):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v) or not lo <= v <= hi:
-        raise _bad(f"{name} must be an integer in [{lo}, {hi}], got {v!r}", name)
-    return v
-
-
+# The sampling fields (temperature, top_p, top_k, min_p, seed, ignore_eos, max_tokens /
+# max_completion_tokens) are checked by the request spec's Pydantic model (request.parse_openai:
+# the ranges and the defaults an OpenAI client expects when it leaves one out); the OpenAI
+# fields around them that TensorFold takes only in their neutral form are checked here.
 def _flag(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is None:
@@ -413,6 +402,17 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
+def _top_logprobs(body: dict, name: str, default: int | None) -> int | None:
+    """chat's top_logprobs or the legacy endpoint's logprobs: how many most likely tokens."""
+    v = body.get(name)
+    if v is None:
+        return default
+    try:
+        return check_top_logprobs(v, name)
+    except ParamError as e:
+        raise _bad(str(e), e.param) from None
+
+
 def _unsupported(body: dict, name: str, ok: Callable[[Any], bool], what: str) -> None:
     if name in body and body[name] is not None and not ok(body[name]):
         raise _bad(f"{name} is not supported by this server ({what})", name, "unsupported_parameter")
@@ -420,7 +420,9 @@ def _unsupported(body: dict, name: str, ok: Callable[[Any], bool], what: str) ->
 
 def _parse_common(body: dict, chat: bool) -> dict:
     """Sampling and streaming parameters shared by both endpoints (OpenAI names; top_k,
-    min_p and ignore_eos as extensions)."""
+    min_p and ignore_eos as extensions). A sampling parameter left out takes the OpenAI API's
+    value (temperature 1, top_p 1, top_k and min_p off: tensorfold.request.PARAMS' `http`
+    defaults), not the Python API's, and every one is passed on explicitly."""
     n = body.get("n")
     if n is not None and n != 1:
         if _is_int(n) and n > 1:
@@ -436,17 +438,12 @@ def _parse_common(body: dict, chat: bool) -> dict:
     _unsupported(body, "functions", lambda v: v == [], "no function calling")
     _unsupported(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
                  "only {'type': 'text'}")
-    p: dict[str, Any] = {}
-    p["temperature"] = _number(body, "temperature", 1.0, 0.0, 2.0)
-    p["top_p"] = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = _integer(body, "top_k", 0, -1)
-    p["top_k"] = 0 if top_k == -1 else top_k
-    p["min_p"] = _number(body, "min_p", 0.0, 0.0, 1.0)
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise _bad(f"seed must be an integer, got {seed!r}", "seed")
-    p["seed"] = seed
-    p["ignore_eos"] = _flag(body, "ignore_eos")
+    try:
+        p: dict[str, Any] = parse_openai(body, chat)
+    except ParamError as e:
+        raise _bad(str(e), e.param) from None
+    # max_tokens: None = up to the context (chat), HTTP_LEGACY_MAX_TOKENS on the legacy endpoint
+    p["_max_tokens"] = p.pop("max_tokens")
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -465,22 +462,13 @@ def _parse_common(body: dict, chat: bool) -> dict:
             raise _bad("stream_options must be an object", "stream_options")
         include_usage = _flag(so, "include_usage")
     p["_stream"], p["_include_usage"] = stream, include_usage
-    # max_tokens: None = up to the context (chat); the legacy endpoint defaults to 16 like OpenAI's
-    mt = None
-    if chat:
-        mt = _integer(body, "max_completion_tokens", None, 1)
-        if mt is None:
-            mt = _integer(body, "max_tokens", None, 1)
-    else:
-        mt = _integer(body, "max_tokens", None, 0)
-    p["_max_tokens"] = mt
     if chat:
         if _flag(body, "logprobs"):
-            p["top_logprobs"] = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+            p["top_logprobs"] = _top_logprobs(body, "top_logprobs", 0)
         elif body.get("top_logprobs") is not None:
             raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     else:
-        lp = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        lp = _top_logprobs(body, "logprobs", None)
         if lp is not None:
             p["top_logprobs"] = lp
         if _flag(body, "echo"):
@@ -641,6 +629,8 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
     on_engine_failure is told (on the scheduler thread)."""
     if (engine is None) == (loader is None):
         raise ValueError("give exactly one of engine and loader")
+    for chat in (True, False):  # the request models, built now rather than at the first request
+        openai_model(chat)
     state = _State(config, engine, loader, on_load_error, on_engine_failure)
 
     @asynccontextmanager
@@ -901,7 +891,7 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
                 ids = eng._token_ids(prompt)
             except (ValueError, TypeError) as e:
                 raise _bad(str(e), "prompt") from None
-        return await generate(request, False, ids, p, fit(ids, p, 16))
+        return await generate(request, False, ids, p, fit(ids, p, HTTP_LEGACY_MAX_TOKENS))
 
     return _Guard(app, state)
 

@@ -17,6 +17,8 @@ import threading
 import warnings
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from .util import is_int as _is_int  # Python or numpy integer, bool excluded: a flag is not an id
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -217,19 +219,6 @@ def _type_name(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return "a list"
     return type(v).__name__
-
-
-def _is_int(v: Any) -> bool:
-    """Python or numpy integer (bool excluded: a flag is not an id)."""
-    if isinstance(v, bool):
-        return False
-    if isinstance(v, int):
-        return True
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return False
-    return isinstance(v, np.integer)
 
 
 def _is_array(v: Any) -> bool:
