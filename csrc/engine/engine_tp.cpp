@@ -146,6 +146,8 @@ void Engine::apply_plan() {
   const int64_t V = config().n_vocab;
   const int max_seqs = kv_->max_seqs();
   const int n_groups = kv_->n_groups();
+  // Which group a message is about, when there is more than one.
+  auto in_group = [&](int g) { return n_groups > 1 ? " in KV group " + std::to_string(g) : std::string(); };
   const int32_t T = next();
   if (T < 1 || T > max_batch_tokens_) bad(T, " tokens (this engine takes 1..", max_batch_tokens_, " per step)");
   batch_.clear();
@@ -189,7 +191,7 @@ void Engine::apply_plan() {
                                  pool.block_size() - 1) / pool.block_size();
       const int32_t n = next();
       if (n < 1 || n > max_table)
-        bad("sequence slot ", slot, " has a block table of ", n, " blocks in KV group ", g, " (1..", max_table, ")");
+        bad("sequence slot ", slot, " has a block table of ", n, " blocks", in_group(g), " (1..", max_table, ")");
       if (plan_.size() - i < size_t(n)) bad("truncated block table of sequence slot ", slot);
       i += size_t(n);
     }
@@ -216,7 +218,7 @@ void Engine::apply_plan() {
         if (blk == -1 && lead && pool.spec().window > 0) continue;
         lead = false;
         if (blk < 0 || blk >= pool.n_blocks())
-          bad("sequence slot ", slot, " lists block ", blk, " in KV group ", g, " (valid 0..", pool.n_blocks() - 1, ")");
+          bad("sequence slot ", slot, " lists block ", blk, in_group(g), " (valid 0..", pool.n_blocks() - 1, ")");
         if (block_mark_[size_t(blk)] == block_gen_) {
           if (block_slot_[size_t(blk)] == slot) bad("block ", blk, " is used twice in the table of sequence slot ", slot);
           block_shared_[size_t(blk)] = block_gen_;
