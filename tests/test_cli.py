@@ -426,7 +426,7 @@ def test_generate_reports_the_prompt_size_even_with_n_0(smollm2_path):
 def test_counts_are_pluralised(smollm2_path):
     r = run_cli("generate", smollm2_path, "-p", "Hi", "-n", "1", "-t", "1", "--temperature", "0", "--ignore-eos")
     assert r.returncode == 0, r.stderr
-    assert " on 1 thread in " in r.stderr and "generated 1 token at" in r.stderr, r.stderr
+    assert re.search(r" on cpu:\w+, 1 thread in ", r.stderr) and "generated 1 token at" in r.stderr, r.stderr
     assert not re.search(r"\b1 (threads|tokens|bytes)\b", r.stderr), r.stderr
 
 

@@ -49,6 +49,10 @@ ARCHS = {
                         rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=8.0,
                                              original_max_position_embeddings=16, beta_fast=16.0, beta_slow=2.0,
                                              attention_factor=1.3))),
+    # sliding-window attention (the Swa kind): every layer reads its last 8 positions, so the
+    # 23-token prompt and the greedy continuation run far past the window
+    "mistral-swa": ("MistralConfig", "MistralForCausalLM",
+                    dict(intermediate_size=100, tie_word_embeddings=False, sliding_window=8)),
 }
 MOE = {"qwen3moe", "qwen2moe", "mixtral"}
 PROMPTS = [[5], [17, 3, 250, 9, 33, 101, 7], list(range(40, 63))]
@@ -193,3 +197,40 @@ def test_unaligned_tensor_data_matches_transformers(hf_model, converted, tmp_pat
         ours = eng.logits(ids)
         span = float(ref.max() - ref.min())
         assert float(np.abs(ours - ref).max()) <= 1e-4 * span
+
+
+def test_sliding_window_over_many_blocks_matches_transformers(hf_model, converted):
+    # A window of 8 over a 150-token sequence: the cache lets go of the 16-token blocks behind
+    # the window as the sequence moves on (prefill in several batches, then decode), and every
+    # position's logits still match transformers' masked attention.
+    arch, _, model = hf_model
+    if arch != "mistral-swa":
+        pytest.skip("the sliding-window model")
+    ids = [(7 * i + 3) % (model.config.vocab_size - 1) for i in range(150)]
+    eng = tensorfold.Engine(converted["f32"], threads=2, kv_type="f32", context=256, max_batch_tokens=32)
+    ref = _hf_logits(model, ids)
+    ours = eng.logits(ids)
+    span = float(ref.max() - ref.min())
+    assert float(np.abs(ours - ref).max()) <= 1e-4 * span
+    with torch.no_grad():
+        nxt = [int(model(torch.tensor([ids[:100] + []])).logits[0, -1].argmax())]
+        for _ in range(40):
+            nxt.append(int(model(torch.tensor([ids[:100] + nxt])).logits[0, -1].argmax()))
+    out = eng.generate(ids[:100], max_tokens=41, temperature=0, ignore_eos=True)
+    assert out.token_ids == nxt
+
+
+def test_every_backend_matches_transformers(hf_model, converted):
+    # The engine on each backend this machine has (tensorfold.available_backends()).
+    arch, _, model = hf_model
+    if arch not in ("llama", "qwen3moe"):
+        pytest.skip("one dense and one MoE architecture are enough per backend")
+    for backend in tensorfold.available_backends():
+        eng = tensorfold.Engine(converted["f32"], threads=2, kv_type="f32", context=256, backend=backend)
+        assert eng.backend == backend
+        for ids in PROMPTS:
+            ref = _hf_logits(model, ids)
+            span = float(ref.max() - ref.min())
+            err = float(np.abs(eng.logits(ids) - ref).max())
+            assert err <= 1e-4 * span, f"{backend}: max |diff| {err:.3g} > 1e-4 x logit range {span:.3g}"
+        eng.close()

@@ -120,7 +120,7 @@ struct ProductShape {
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual std::string name() const = 0;     // "cpu (avx512)", ...
+  virtual std::string name() const = 0;     // the name make_backend takes: "cpu:avx512", ...
   virtual int threads() const = 0;
   // Whether weights of this type can be computed with (the others are refused by name at load).
   virtual bool supports(GgmlType t) const = 0;
@@ -136,6 +136,8 @@ class Backend {
   // Copies n bytes between this backend's memory and the host (either may be host memory).
   virtual void to_host(void* dst, const void* src, size_t n) = 0;
   virtual void from_host(void* dst, const void* src, size_t n) = 0;
+  // Copies n bytes within this backend's memory.
+  virtual void copy(void* dst, const void* src, size_t n) = 0;
 
   // -- products ----------------------------------------------------------------------------
   // Every product of the group over T input rows (x: ldx floats apart), the input read once per

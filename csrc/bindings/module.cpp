@@ -53,4 +53,5 @@ PYBIND11_MODULE(_core, m) {
   tf::bind_moe(m);
   tf::bind_comm(m);
   tf::bind_backend(m);
+  tf::bind_kv(m);
 }

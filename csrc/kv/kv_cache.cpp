@@ -40,7 +40,7 @@ std::vector<KvGroupPlan> KvCache::plan(const std::vector<KvSpec>& layer_specs, i
 }
 
 KvCache::KvCache(const std::vector<KvSpec>& layer_specs, int64_t kv_tokens, KvType type, Backend& be)
-    : type_(type), kv_tokens_(kv_tokens) {
+    : type_(type), kv_tokens_(kv_tokens), be_(&be) {
   TF_CHECK(!layer_specs.empty() && kv_tokens > 0, "invalid KV cache geometry");
   const std::vector<KvGroupPlan> plans = plan(layer_specs, kv_tokens, type, false);
   layer_group_.assign(layer_specs.size(), 0);
@@ -155,10 +155,18 @@ bool KvCache::truncate(int seq, int64_t n_tokens) {
       const int64_t first_tok = std::max<int64_t>(0, n_tokens + 1 - g.spec.window);
       if (first_tok / g.spec.compression / p.block_size() < p.released(seq) && n_tokens > 0) return false;
     }
+    // The block it ends inside, when cached, is copied: that needs a free block.
+    const int64_t e = entries(g, n_tokens);
+    if (e % p.block_size() != 0 && e / p.block_size() < int64_t(p.block_table(seq).size()) &&
+        p.is_cached(p.block_table(seq)[size_t(e / p.block_size())]) && p.free_blocks() == 0)
+      return false;
   }
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = groups_[gi];
-    g.pool->truncate(seq, entries(g, n_tokens));
+    const int64_t e = entries(g, n_tokens);
+    g.pool->truncate(seq, e);
+    if (e % g.pool->block_size() != 0 && e / g.pool->block_size() < int64_t(g.pool->block_table(seq).size()))
+      TF_CHECK(g.pool->unshare(seq, size_t(e / g.pool->block_size()), *be_), "truncate: no block for the copy");
     Chain& c = chains_[size_t(seq)][gi];
     const size_t full = size_t(n_tokens / g.pool->tokens_per_block());
     if (c.blocks.size() > full) {

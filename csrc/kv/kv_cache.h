@@ -68,9 +68,10 @@ class KvCache {
   // Room for n_tokens in every group (all-or-nothing across groups).
   bool reserve(int seq, int64_t n_tokens);
   int64_t capacity(int seq) const;  // tokens the tables hold (the tightest group)
-  // Shortens a sequence to its first n_tokens (the rest of its blocks let go). false, with
-  // nothing changed, when a window group has already let go of blocks the shorter sequence
-  // would read: the caller recomputes the sequence instead.
+  // Shortens a sequence to its first n_tokens (the rest of its blocks let go; a cached block it
+  // now ends inside is replaced by a private copy, so the cache keeps what it registered).
+  // false, with nothing changed, when a window group has already let go of blocks the shorter
+  // sequence would read, or no block is free for that copy: the caller recomputes instead.
   bool truncate(int seq, int64_t n_tokens);
   // The sequence has computed n_computed tokens: window groups let go of blocks behind their
   // window; with the prefix cache on, its newly full blocks join the cache (tokens: its tokens).
@@ -108,6 +109,7 @@ class KvCache {
   KvType type_;
   int64_t kv_tokens_ = 0;
   int max_seqs_ = 0;
+  Backend* be_ = nullptr;  // copies blocks (truncate)
   bool prefix_on_ = false;
   std::vector<bool> slot_used_;
   std::vector<std::vector<Chain>> chains_;  // [slot][group]

@@ -5,6 +5,7 @@
 #include <sstream>
 #include <string>
 
+#include "backend/backend.h"
 #include "core/error.h"
 
 namespace tf {
@@ -122,6 +123,19 @@ bool KvPool::truncate(int seq, int64_t n_entries) {
     drop(table.back());
     table.pop_back();
   }
+  return true;
+}
+
+bool KvPool::unshare(int seq, size_t index, Backend& be) {
+  auto& table = tables_[size_t(seq)];
+  const int32_t old = table[index];
+  if (!is_cached(old)) return true;
+  const int32_t b = take_block();  // never `old`: the sequence still references it
+  if (b < 0) return false;
+  for (int l = 0; l < n_layers_; ++l) be.copy(base(l, b), base(l, old), page_stride() * elem_size());
+  refs_[size_t(b)] = 1;
+  table[index] = b;
+  drop(old);
   return true;
 }
 

@@ -19,6 +19,8 @@
 
 namespace tf {
 
+class Backend;
+
 class KvPool {
  public:
   // Bytes of the rows of n_blocks blocks (0 when that overflows).
@@ -54,6 +56,11 @@ class KvPool {
   // Keeps the blocks that hold entries [0, n_entries): false (and no change) when one of them
   // was released already (a window group that moved past it).
   bool truncate(int seq, int64_t n_entries);
+  // Gives the sequence its own copy of table entry `index` when that block is cached (the
+  // sequence is about to write into it: the cached rows must stay as registered). false when
+  // no block is free for the copy.
+  bool unshare(int seq, size_t index, Backend& be);
+  bool is_cached(int32_t block) const { return prefix_ && block >= 0 && prefix_->registered(block); }
   // Window groups: lets go of the table's blocks before `first_kept` (they become holes, -1).
   void release_before(int seq, int64_t first_kept);
   int64_t released(int seq) const { return released_[size_t(seq)]; }

@@ -13,4 +13,6 @@ from . import _core  # noqa: E402
 from .engine import Completion, Engine, TokenLogprob  # noqa: E402
 from .pull import pull  # noqa: E402
 
-__all__ = ["Engine", "Completion", "TokenLogprob", "pull", "__version__"]
+available_backends = _core.available_backends  # e.g. ['cpu:avx512', 'cpu:avx2', 'cpu:scalar']
+
+__all__ = ["Engine", "Completion", "TokenLogprob", "available_backends", "pull", "__version__"]

@@ -122,6 +122,9 @@ def _engine_options() -> argparse.ArgumentParser:
                    help="memory this machine may give the engine, e.g. 120GiB (default: the memory "
                         "available now; 'none': no check). A plan over it is refused before loading, "
                         "naming the largest --kv-tokens (or -c) that fits; see `tensorfold plan`")
+    g.add_argument("--backend", default="cpu", metavar="NAME",
+                   help="where the forward pass runs: cpu (default: this CPU's best instruction set), "
+                        "cpu:avx512, cpu:avx2, cpu:scalar, cuda, or auto (a GPU when one can run the model)")
     return p
 
 
@@ -237,13 +240,13 @@ def _load(a: argparse.Namespace, model: str):
             eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=0,
                          peer=a.peer, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
                          token=a.token, memory_budget=a.memory_budget, transport=a.transport,
-                         load_timeout=a.load_timeout)
+                         load_timeout=a.load_timeout, backend=a.backend)
         except (ValueError, MemoryError, OSError, RuntimeError) as e:
             # The command's option names wherever this is reported (serve loads in the background).
             raise _renamed(e, a.command) from None
     for w in caught:  # e.g. a context above the trained one: one line, not a source listing
         print(f"tensorfold: warning: {cli_names(str(w.message), a.command)}", file=sys.stderr)
-    print(f"loaded {os.path.basename(eng.path)} ({eng.config['summary']}) on {_n(eng.threads, 'thread')} "
+    print(f"loaded {os.path.basename(eng.path)} ({eng.config['summary']}) on {eng.backend}, {_n(eng.threads, 'thread')} "
           f"in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
     return eng
 
@@ -454,7 +457,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=1,
                  peer=a.listen, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
                  token=a.token, memory_budget=a.memory_budget,
-                 transport=a.transport, wait=a.wait, load_timeout=a.load_timeout)
+                 transport=a.transport, wait=a.wait, load_timeout=a.load_timeout, backend=a.backend)
     # in MiB always: scripts (and tests/test_tp.py) read the number
     print(f"worker: connected; holding {eng._core.weight_bytes / 2**20:.1f} MiB of weights", file=sys.stderr)
     eng.follow()

@@ -68,6 +68,7 @@ log = logging.getLogger("tensorfold.convert")
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
@@ -232,6 +233,7 @@ class _Params:
     n_ff_shexp: int = 0
     norm_topk: bool = False
     attn_bias: bool = False
+    sliding_window: int = 0  # Mistral/Mixtral: every layer attends to its last N positions
     mla: _Mla | None = None  # deepseek2 only
 
     @property
@@ -368,9 +370,17 @@ def _params(cfg: dict) -> _Params:
                            "which is not supported")
     n_ctx = _int(cfg, "max_position_embeddings", default=4096)
     sw = cfg.get("sliding_window")
-    if hf_arch in ("MixtralForCausalLM", "LlamaForCausalLM") and isinstance(sw, int) and 0 < sw < n_ctx:
-        raise ConvertError(f"config.json: sliding_window {sw} < max_position_embeddings {n_ctx}; "
-                           "sliding-window attention is not supported")
+    window = 0
+    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM") and sw is not None:
+        # transformers masks every layer to the last sliding_window positions (the query's own
+        # included); a window as long as the context changes nothing and is left out
+        if isinstance(sw, bool) or not isinstance(sw, int) or sw < 1:
+            raise ConvertError(f"config.json: sliding_window {sw!r} is not a positive integer")
+        window = sw if sw < n_ctx else 0
+    elif hf_arch == "LlamaForCausalLM" and isinstance(sw, int) and 0 < sw < n_ctx:
+        raise ConvertError(f"config.json: sliding_window {sw} < max_position_embeddings {n_ctx} on a "
+                           "LlamaForCausalLM, which transformers runs without a window; remove the field or "
+                           "name the model MistralForCausalLM if it was trained with one")
 
     attn_bias = bool(cfg.get("attention_bias", False))
     if arch in ("qwen2", "qwen2moe"):
@@ -390,7 +400,7 @@ def _params(cfg: dict) -> _Params:
         n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
         n_ff=_int(cfg, "intermediate_size"), n_vocab=_int(cfg, "vocab_size"), n_ctx=n_ctx,
         rms_eps=float(eps), rope_base=base, rope_scaling=scaling,
-        tied=None if tied is None else bool(tied), attn_bias=attn_bias,
+        tied=None if tied is None else bool(tied), attn_bias=attn_bias, sliding_window=window,
     )
     if hf_arch == "MixtralForCausalLM":
         p.n_expert = _int(cfg, "num_local_experts", "num_experts")
@@ -1111,6 +1121,8 @@ def _model_kv(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]
                (f"{a}.attention.value_length", "u32", p.head_dim)]
     if p.rope_scaling:
         kv += [(f"{a}.rope.scaling.{k}", t, v) for k, t, v in p.rope_scaling]
+    if p.sliding_window:
+        kv.append((f"{a}.attention.sliding_window", "u32", p.sliding_window))
     if p.is_moe:
         kv += [(f"{a}.expert_count", "u32", p.n_expert),
                (f"{a}.expert_used_count", "u32", p.n_expert_used),

@@ -227,6 +227,10 @@ class Engine:
     admits only a peer that proves it knows the same token (the token never crosses the wire).
     tp_compatible=True (TP=1) computes exactly as a TP=2 pair does, so their outputs are
     bit-identical (about 5-10% slower decode).
+    backend: where the forward pass runs: "cpu" (default: the best instruction set of this
+    CPU), "cpu:avx512", "cpu:avx2", "cpu:scalar", "cuda" or "auto" (a GPU when one can run
+    the model, else the CPU); tensorfold.available_backends() lists what this machine has.
+    Engine.backend says which one was chosen.
     prefix_cache=True (default) keeps the KV blocks of finished requests and reuses them for
     prompts that start with the same tokens (a shared system prompt, the next chat turn):
     those tokens are not prefilled again, and the output is exactly the same as without it.
@@ -249,7 +253,7 @@ class Engine:
                  tp: int = 1, rank: int = 0, peer: str | None = None, rails: Sequence[str] | None = None,
                  timeout: float = 30.0, tp_compatible: bool = False, token: str | None = None,
                  memory_budget: int | str | None = None, transport: str = "tcp", wait: float = 0.0,
-                 load_timeout: float = 3600.0, prefix_cache: bool = True):
+                 load_timeout: float = 3600.0, prefix_cache: bool = True, backend: str = "cpu"):
         self._core = None
         self._following = False
         self._closed = False
@@ -283,6 +287,8 @@ class Engine:
         _float_in("wait", wait, 0.0, math.inf, note=" seconds (0: until rank 0 connects)")
         _float_in("load_timeout", load_timeout, 0.0, math.inf, lo_open=True, note=" seconds")
         _check_bool("prefix_cache", prefix_cache)
+        if not isinstance(backend, str):
+            raise ArgumentTypeError(f"backend must be a string such as 'cpu', not {type(backend).__name__}")
         self.path = resolve_model(model)
         self._gguf = _core.GgufFile(self.path)
         metadata = self._gguf.metadata()
@@ -297,7 +303,7 @@ class Engine:
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
                                   kv_type, tp, rank, peer or "", list(rails or []), float(timeout),
                                   bool(tp_compatible), token, budget, transport, float(wait),
-                                  float(load_timeout), bool(prefix_cache))
+                                  float(load_timeout), bool(prefix_cache), backend)
         self._config = dict(self._core.config)
         self._context = self._core.context
         self._threads = self._core.threads
@@ -313,6 +319,11 @@ class Engine:
                 f"mask / cgroup CPU quota); it works, but is usually slower than threads={usable}",
                 RuntimeWarning, stacklevel=2)
         _live_engines.add(self)
+
+    @property
+    def backend(self) -> str:
+        """The backend the forward pass runs on, e.g. 'cpu:avx512'."""
+        return self._native().backend
 
     @property
     def memory_plan(self) -> dict:

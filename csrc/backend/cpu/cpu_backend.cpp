@@ -43,7 +43,7 @@ class CpuBackend final : public Backend {
  public:
   CpuBackend(int threads, CpuIsa isa) : isa_(isa), ops_(cpu::vec_ops_for(isa)), pool_(threads) {}
 
-  std::string name() const override { return std::string("cpu (") + isa_name(isa_) + ")"; }
+  std::string name() const override { return std::string("cpu:") + isa_name(isa_); }
   int threads() const override { return pool_.size(); }
   bool supports(GgmlType t) const override { return cpu::find_kernels(t) != nullptr; }
   std::string supported_types() const override { return computable_type_names(); }
@@ -90,6 +90,9 @@ class CpuBackend final : public Backend {
   }
   void from_host(void* dst, const void* src, size_t n) override {
     if (dst != src) std::memcpy(dst, src, n);
+  }
+  void copy(void* dst, const void* src, size_t n) override {
+    if (dst != src) std::memmove(dst, src, n);
   }
 
   // -- products ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // Importance-weighted quantizers of the ternary formats: TQ1_0, TQ2_0 (one fp16 scale per 256
 // weights, levels -1, 0, 1) and the 1.5 / 1.75 bit grid formats IQ1_S, IQ1_M (groups of 8
 // weights on a point of kIq1sGrid, shifted by +-1/8, times an odd 3-bit multiplier of the
-// super-block scale). Layouts: backend/cpu/formats/{tq1_0,tq2_0,iq1_s,iq1_m}.cpp.
+// super-block scale). Layouts: quant/iq_layout.h.
 //
 // TQ: for a given scale d the best ternary level of each weight is a threshold on |x| (|x| >
 // d/2), so the optimum over (d, levels) is attained by one of the sets "the k largest |x|",

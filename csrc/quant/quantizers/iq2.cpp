@@ -1,4 +1,4 @@
-// IQ2_XXS, IQ2_XS and IQ2_S quantizers (layouts: csrc/backend/cpu/formats/iq2_*.cpp).
+// IQ2_XXS, IQ2_XS and IQ2_S quantizers (layouts: quant/iq_layout.h).
 //
 // All three store a weight as (d/8) * (2u+1) * (±g): d the block's fp16 scale, u a 4-bit
 // sub-block scale (one per 32 weights in IQ2_XXS, per 16 in IQ2_XS / IQ2_S), g byte m of a grid

@@ -1,4 +1,4 @@
-// IQ3_XXS and IQ3_S quantizers (layouts: csrc/backend/cpu/formats/iq3_xxs.cpp, iq3_s.cpp).
+// IQ3_XXS and IQ3_S quantizers (layouts: quant/iq_layout.h).
 //
 // Both store a weight as D * (2u+1) * (±g): u a 4-bit scale per sub-block of 32 weights, g byte
 // m of a grid entry chosen per group of 4 weights, D = d/4 (IQ3_XXS) or d (IQ3_S) with d the
