@@ -2,10 +2,12 @@
 compute what their weights say.
 
 The fixtures (tests/fixtures/quant/, written by tests/fixtures/make_quant_fixtures.py, which CI
-never runs) are two tiny random models quantized by llama.cpp's llama-quantize with an
-importance matrix to every standard file type: a dense llama (23 file types, Q2_K … TQ2_0) and
-a qwen2moe with a shared expert (Q2_K, Q4_K_M, IQ1_M, IQ2_XXS, IQ3_XXS, IQ4_XS, MXFP4_MOE), plus
-the dense Q4_K_M split into three parts by llama-gguf-split. Each file carries llama.cpp's own
+never runs) are tiny random models quantized by llama.cpp's llama-quantize with an importance
+matrix to every standard file type: a dense llama (23 file types, Q2_K … TQ2_0), a qwen2moe with
+a shared expert (Q2_K, Q4_K_M, IQ1_M, IQ2_XXS, IQ3_XXS, IQ4_XS, MXFP4_MOE), a deeper llama of
+256-multiple widths (4 layers; Q3_K_S/M/L, IQ2_XS/S/M, IQ3_XXS, IQ4_XS: the mixes whose attn_v,
+attn_output, ffn_down or token_embd get Q4_K/Q5_K/IQ3_S), plus the dense Q4_K_M split into three
+parts by llama-gguf-split. Each file carries llama.cpp's own
 type mix (attn_v with more bits than attn_q, ffn_down above gate/up, expert types changing
 between layers, token_embd/output in Q2_K/Q5_K/Q6_K/Q8_0, …).
 
