@@ -53,7 +53,13 @@ ARCHS = {
     # 23-token prompt and the greedy continuation run far past the window
     "mistral-swa": ("MistralConfig", "MistralForCausalLM",
                     dict(intermediate_size=100, tie_word_embeddings=False, sliding_window=8)),
+    # a window on some layers only (transformers' layer_types from max_window_layers): layer 0
+    # full, layer 1 windowed, so the cache has two groups
+    "qwen2-swa": ("Qwen2Config", "Qwen2ForCausalLM",
+                  dict(intermediate_size=100, tie_word_embeddings=True, use_sliding_window=True, sliding_window=8,
+                       max_window_layers=1)),
 }
+SWA = {"mistral-swa", "qwen2-swa"}
 MOE = {"qwen3moe", "qwen2moe", "mixtral"}
 PROMPTS = [[5], [17, 3, 250, 9, 33, 101, 7], list(range(40, 63))]
 
@@ -204,8 +210,8 @@ def test_sliding_window_over_many_blocks_matches_transformers(hf_model, converte
     # the window as the sequence moves on (prefill in several batches, then decode), and every
     # position's logits still match transformers' masked attention.
     arch, _, model = hf_model
-    if arch != "mistral-swa":
-        pytest.skip("the sliding-window model")
+    if arch not in SWA:
+        pytest.skip("the sliding-window models")
     ids = [(7 * i + 3) % (model.config.vocab_size - 1) for i in range(150)]
     eng = tensorfold.Engine(converted["f32"], threads=2, kv_type="f32", context=256, max_batch_tokens=32)
     ref = _hf_logits(model, ids)
@@ -234,3 +240,24 @@ def test_every_backend_matches_transformers(hf_model, converted):
             err = float(np.abs(eng.logits(ids) - ref).max())
             assert err <= 1e-4 * span, f"{backend}: max |diff| {err:.3g} > 1e-4 x logit range {span:.3g}"
         eng.close()
+
+
+def test_kv_groups_in_the_memory_plan(hf_model, converted):
+    # One pool group per KV spec, each sized from first principles: layers x heads x (K + V)
+    # values x element size per token, over whole 16-token blocks of the pool.
+    arch, _, model = hf_model
+    if arch not in ("llama", "qwen2-swa"):
+        pytest.skip("one model with one group, one with two")
+    cfg = model.config
+    eng = tensorfold.Engine(converted["f32"], threads=1, kv_type="f16", context=256, kv_tokens=1000,
+                            prefix_cache=False)
+    plan = eng.memory_plan
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_layer = 1008 * cfg.num_key_value_heads * 2 * head_dim * 2  # 63 blocks of 16 tokens, f16
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    groups = sorted(set(layer_types), key=layer_types.index)
+    lines = [ln for ln in plan["table"].splitlines() if ln.strip().startswith("KV ")]
+    assert len(lines) == len(groups), plan["table"]
+    assert plan["kv"] == per_layer * cfg.num_hidden_layers
+    if arch == "qwen2-swa":
+        assert "window 8" in lines[1] and "window" not in lines[0], plan["table"]

@@ -9,7 +9,7 @@ namespace {
 const ArchTraits kArchitectures[] = {
     // name       covers            attention           rope_neox qkv_bias qk_norm norm_topk sliding_window
     {"llama",     "incl. mixtral",  AttentionKind::Gqa, false,    false,   false,  true,     true},
-    {"qwen2",     "",               AttentionKind::Gqa, true,     true,    false,  false,    false},
+    {"qwen2",     "",               AttentionKind::Gqa, true,     true,    false,  false,    true},
     {"qwen2moe",  "",               AttentionKind::Gqa, true,     true,    false,  false,    false},
     {"qwen3",     "",               AttentionKind::Gqa, true,     false,   true,   false,    false},
     {"qwen3moe",  "",               AttentionKind::Gqa, true,     false,   true,   true,     false},

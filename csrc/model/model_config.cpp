@@ -175,14 +175,26 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   }
   // The kind of each layer: the architecture's, or a sliding window where the file names one.
   c.layer_attention.assign(size_t(c.n_layer), c.attention);
+  // llama.cpp's keys: attention.sliding_window (0: none) and attention.sliding_window_pattern,
+  // either N (every N-th layer, the last of each N, attends in full) or one bool per layer
+  // (true: windowed); absent, every layer has the window.
   if (traits->sliding_window && f.find(key("attention.sliding_window"))) {
-    c.sliding_window = int_in(f, key("attention.sliding_window"), f.get_int(key("attention.sliding_window")), 1,
+    c.sliding_window = int_in(f, key("attention.sliding_window"), f.get_int(key("attention.sliding_window")), 0,
                               std::numeric_limits<int32_t>::max());
-    // attention.sliding_window_pattern: N, every N-th layer (the last of each N) attends in full;
-    // absent, every layer has the window.
-    const int period = int_key(f, key("attention.sliding_window_pattern"), 0, 0, 4096);
-    for (int il = 0; il < c.n_layer; ++il)
-      if (period == 0 || (il + 1) % period != 0) c.layer_attention[size_t(il)] = AttentionKind::Swa;
+    const GgufValue* pattern = f.find(key("attention.sliding_window_pattern"));
+    std::vector<bool> windowed(size_t(c.n_layer), true);
+    if (pattern && pattern->type == GgufValueType::ARRAY) {
+      if (pattern->elem_type != GgufValueType::BOOL || pattern->count != uint64_t(c.n_layer))
+        fail(ErrorKind::InvalidInput, path, ": ", key("attention.sliding_window_pattern"), " must be one bool per layer (",
+             c.n_layer, "), not ", pattern->count, " ", gguf_type_name(pattern->elem_type), " values");
+      uint64_t pos = pattern->begin;
+      for (int il = 0; il < c.n_layer; ++il) windowed[size_t(il)] = f.read_element(*pattern, pos).i != 0;
+    } else {
+      const int period = int_key(f, key("attention.sliding_window_pattern"), 0, 0, 4096);
+      for (int il = 0; il < c.n_layer; ++il) windowed[size_t(il)] = period == 0 || (il + 1) % period != 0;
+    }
+    for (int il = 0; il < c.n_layer && c.sliding_window > 0; ++il)
+      if (windowed[size_t(il)]) c.layer_attention[size_t(il)] = AttentionKind::Swa;
   }
   c.n_ctx_train = int_in(f, key("context_length"), f.get_int(key("context_length"), 4096), 1,
                          std::numeric_limits<int32_t>::max());

@@ -233,7 +233,8 @@ class _Params:
     n_ff_shexp: int = 0
     norm_topk: bool = False
     attn_bias: bool = False
-    sliding_window: int = 0  # Mistral/Mixtral: every layer attends to its last N positions
+    sliding_window: int = 0  # layers with a window attend to their last N positions (0: none)
+    window_layers: list | None = None  # which layers have it (None: all)
     mla: _Mla | None = None  # deepseek2 only
 
     @property
@@ -361,23 +362,10 @@ def _params(cfg: dict) -> _Params:
     if prf not in (None, 1, 1.0):
         raise ConvertError(f"config.json: partial_rotary_factor {prf} is not supported")
 
-    # sliding-window attention is not representable: refuse it when it is actually in use
-    if cfg.get("use_sliding_window") is True:
-        raise ConvertError("config.json: use_sliding_window is true; sliding-window attention is not supported")
-    layer_types = cfg.get("layer_types")
-    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
-        raise ConvertError(f"config.json: layer_types {sorted(set(layer_types))} include non-full attention, "
-                           "which is not supported")
     n_ctx = _int(cfg, "max_position_embeddings", default=4096)
+    window, window_layers = _sliding_window(cfg, hf_arch, n_ctx)
     sw = cfg.get("sliding_window")
-    window = 0
-    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM") and sw is not None:
-        # transformers masks every layer to the last sliding_window positions (the query's own
-        # included); a window as long as the context changes nothing and is left out
-        if isinstance(sw, bool) or not isinstance(sw, int) or sw < 1:
-            raise ConvertError(f"config.json: sliding_window {sw!r} is not a positive integer")
-        window = sw if sw < n_ctx else 0
-    elif hf_arch == "LlamaForCausalLM" and isinstance(sw, int) and 0 < sw < n_ctx:
+    if hf_arch == "LlamaForCausalLM" and isinstance(sw, int) and 0 < sw < n_ctx:
         raise ConvertError(f"config.json: sliding_window {sw} < max_position_embeddings {n_ctx} on a "
                            "LlamaForCausalLM, which transformers runs without a window; remove the field or "
                            "name the model MistralForCausalLM if it was trained with one")
@@ -401,6 +389,7 @@ def _params(cfg: dict) -> _Params:
         n_ff=_int(cfg, "intermediate_size"), n_vocab=_int(cfg, "vocab_size"), n_ctx=n_ctx,
         rms_eps=float(eps), rope_base=base, rope_scaling=scaling,
         tied=None if tied is None else bool(tied), attn_bias=attn_bias, sliding_window=window,
+        window_layers=window_layers,
     )
     if hf_arch == "MixtralForCausalLM":
         p.n_expert = _int(cfg, "num_local_experts", "num_experts")
@@ -423,6 +412,48 @@ def _params(cfg: dict) -> _Params:
     if p.is_moe and p.n_expert_used > p.n_expert:
         raise ConvertError(f"config.json: num_experts_per_tok {p.n_expert_used} > number of experts {p.n_expert}")
     return p
+
+
+def _sliding_window(cfg: dict, hf_arch: str, n_ctx: int) -> tuple[int, list | None]:
+    """The window and which layers have it (None: every layer), as transformers runs the model:
+    Mistral/Mixtral window every layer by `sliding_window`; Qwen2 the `layer_types` marked
+    sliding_attention when use_sliding_window is on (from max_window_layers when absent). A
+    window at least as long as the context changes nothing and is left out. Anything else that
+    asks for a window is refused, not silently run without it."""
+    sw = cfg.get("sliding_window")
+    use = cfg.get("use_sliding_window")
+    layer_types = cfg.get("layer_types")
+    n_layer = _int(cfg, "num_hidden_layers")
+
+    def window() -> int:
+        if isinstance(sw, bool) or not isinstance(sw, int) or sw < 1:
+            raise ConvertError(f"config.json: sliding_window {sw!r} is not a positive integer")
+        return sw if sw < n_ctx else 0
+
+    if hf_arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return (window(), None) if sw is not None else (0, None)
+    if hf_arch == "Qwen2ForCausalLM" and use is True and sw is not None:
+        if layer_types is None:
+            first = cfg.get("max_window_layers", n_layer)
+            if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+                raise ConvertError(f"config.json: max_window_layers {first!r} is not an integer >= 0")
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
+        if not isinstance(layer_types, list) or len(layer_types) != n_layer or \
+                not set(layer_types) <= {"full_attention", "sliding_attention"}:
+            raise ConvertError(f"config.json: layer_types must name full_attention or sliding_attention for each of "
+                               f"the {n_layer} layers")
+        w = window()
+        windowed = [t == "sliding_attention" for t in layer_types]
+        if w == 0 or not any(windowed):
+            return 0, None
+        return w, None if all(windowed) else windowed
+    if use is True:
+        raise ConvertError(f"config.json: use_sliding_window is true; {hf_arch} with sliding-window attention "
+                           "is not supported")
+    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
+        raise ConvertError(f"config.json: layer_types {sorted(set(layer_types))} include non-full attention, "
+                           "which is not supported")
+    return 0, None
 
 
 # transformers' class defaults for fields a DeepSeek config.json may leave out (the model
@@ -1123,6 +1154,8 @@ def _model_kv(p: _Params, name: str, outtype: str) -> list[tuple[str, str, Any]]
         kv += [(f"{a}.rope.scaling.{k}", t, v) for k, t, v in p.rope_scaling]
     if p.sliding_window:
         kv.append((f"{a}.attention.sliding_window", "u32", p.sliding_window))
+        if p.window_layers is not None:  # llama.cpp's per-layer form: true = windowed
+            kv.append((f"{a}.attention.sliding_window_pattern", "arr_bool", p.window_layers))
     if p.is_moe:
         kv += [(f"{a}.expert_count", "u32", p.n_expert),
                (f"{a}.expert_used_count", "u32", p.n_expert_used),
@@ -1185,6 +1218,8 @@ def _apply_kv(writer, kv: list[tuple[str, str, Any]]) -> None:
             writer.add_bool(key, bool(val))
         elif kind == "arr":
             writer.add_array(key, val)
+        elif kind == "arr_bool":
+            writer.add_key_value(key, [bool(v) for v in val], T.ARRAY, sub_type=T.BOOL)
         elif kind == "arr_i32":
             writer.add_key_value(key, list(val), T.ARRAY, sub_type=T.INT32)
         else:  # pragma: no cover
