@@ -6,15 +6,13 @@ DRAM read bandwidth measured in the same run (a threaded streaming read of a buf
 GEMM (prefill): Q4_1 / Q4_K at SmolLM2-135M sizes with 64 and 512 activation rows; reports
 GFLOP/s (2*rows*k*ncols / time, activation quantization included).
 
-Run:  TENSORFOLD_CORE_DIR=build-kern PYTHONPATH=python \
+Run:  TENSORFOLD_CORE_DIR=build PYTHONPATH=python \
       python3 -m pytest -q bench/bench_kernels.py --benchmark-only -s
-Environment: TF_BENCH_GEMV_MB (weight matrix size, default 2000 MB: well above the L3,
-which is 260-480 MB on these machines and keeps part of a smaller matrix between calls), TF_BENCH_THREADS (2).
+Environment (bench/_common.py): TF_BENCH_GEMV_MB (weight matrix size, default 4 x the L3),
+TF_BENCH_THREADS (2). bench_products.py measures every format through the backend seam; this
+file measures the kernels alone (kernels_matmul: no backend, its own row split).
 """
 from __future__ import annotations
-
-import os
-import time
 
 import numpy as np
 import pytest
@@ -22,10 +20,11 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
+import _common  # noqa: E402
+from _common import GEMV_BYTES, THREADS  # noqa: E402
 from tensorfold import _core  # noqa: E402
 
-THREADS = int(os.environ.get("TF_BENCH_THREADS", "2"))
-GEMV_BYTES = int(float(os.environ.get("TF_BENCH_GEMV_MB", "2000")) * 1e6)
+pytestmark = pytest.mark.bench
 HALF_FIELDS = {
     Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
     Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
@@ -58,24 +57,6 @@ def random_weights(t: Q, rows: int, k: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(-1)
 
 
-@pytest.fixture(scope="session")
-def dram_gbps() -> float:
-    """DRAM read bandwidth: THREADS threads streaming a 2 GB buffer (best of 5)."""
-    a = np.ones(GEMV_BYTES, dtype=np.uint8)
-    _core.kernels_read_bytes(a, THREADS)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        _core.kernels_read_bytes(a, THREADS)
-        best = min(best, time.perf_counter() - t0)
-    gbps = a.nbytes / best / 1e9
-    t0 = time.perf_counter()
-    a.sum(dtype=np.uint64)
-    np_gbps = a.nbytes / (time.perf_counter() - t0) / 1e9
-    print(f"\n[dram] threaded read: {gbps:.2f} GB/s ({THREADS} threads); numpy 1-thread sum: {np_gbps:.2f} GB/s")
-    return gbps
-
-
 @pytest.mark.parametrize("t", GEMV_TYPES, ids=lambda t: t.name)
 def test_gemv_bandwidth(benchmark, dram_gbps, t):
     bs, ts = gguf.GGML_QUANT_SIZES[t]
@@ -90,9 +71,9 @@ def test_gemv_bandwidth(benchmark, dram_gbps, t):
     sec = benchmark.stats.stats.min
     gbps = w.nbytes / sec / 1e9
     frac = gbps / dram_gbps
-    benchmark.extra_info.update({"weight_MB": w.nbytes / 1e6, "GB_s": round(gbps, 2),
-                                 "dram_GB_s": round(dram_gbps, 2), "frac_of_dram": round(frac, 3),
-                                 "isa": _core.kernel_isa(), "threads": THREADS})
+    benchmark.extra_info["isa"] = _core.kernel_isa()
+    _common.record(benchmark, "kernels (kernels_matmul, no backend)", f"GEMV {t.name} {rows}x{k}",
+                   weight_MB=w.nbytes / 1e6, GB_s=gbps, frac_of_dram=frac)
     print(f"\n[gemv] {t.name:5s} {rows}x{k} ({w.nbytes / 1e6:.0f} MB): {sec * 1e3:.1f} ms, "
           f"{gbps:.2f} GB/s = {frac:.1%} of DRAM read bandwidth")
 
@@ -113,6 +94,7 @@ def test_gemm_gflops(benchmark, t, rows, k, ncols):
                        kwargs={"threads": THREADS}, rounds=20, iterations=1, warmup_rounds=2)
     sec = benchmark.stats.stats.min
     gflops = 2.0 * rows * k * ncols / sec / 1e9
-    benchmark.extra_info.update({"GFLOP_s": round(gflops, 1), "isa": _core.kernel_isa(),
-                                 "threads": THREADS})
+    benchmark.extra_info["isa"] = _core.kernel_isa()
+    _common.record(benchmark, "kernels (kernels_matmul, no backend)", f"GEMM {t.name} {rows}x{k} T={ncols}",
+                   GFLOP_s=gflops)
     print(f"\n[gemm] {t.name} {rows}x{k} ncols={ncols}: {sec * 1e3:.2f} ms, {gflops:.1f} GFLOP/s")

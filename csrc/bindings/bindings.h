@@ -30,4 +30,5 @@ void bind_moe(pybind11::module_& m);
 void bind_comm(pybind11::module_& m);
 void bind_backend(pybind11::module_& m);
 void bind_kv(pybind11::module_& m);
+void bind_bench(pybind11::module_& m);
 }  // namespace tf

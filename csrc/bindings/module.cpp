@@ -54,4 +54,5 @@ PYBIND11_MODULE(_core, m) {
   tf::bind_comm(m);
   tf::bind_backend(m);
   tf::bind_kv(m);
+  tf::bind_bench(m);
 }

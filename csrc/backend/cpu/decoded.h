@@ -20,45 +20,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "backend/cpu/decoded_block.h"
 #include "backend/cpu/kernels_internal.h"
+#include "backend/cpu/panel_avx512.h"
 #include "backend/cpu/tile8_avx2.h"
 #include "backend/cpu/tile_avx2.h"
 
-#if defined(TF_HAVE_X86_KERNELS)
-#include <immintrin.h>
-#define TF_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define TF_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-#endif
-
 namespace tf::cpu::detail {
-
-struct alignas(64) Decoded256 {
-  int8_t q[256];
-  int16_t sc[16];
-  float d;
-};
-
-struct alignas(32) Decoded32 {
-  int8_t q[32];
-  float d;
-};
-
-// Unaligned little-endian loads of block fields (block sizes such as 66 or 110 bytes leave
-// fields at any alignment).
-inline uint16_t ld16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-inline uint32_t ld32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-using Decode256Fn = void (*)(const uint8_t* block, Decoded256* out);
-using Decode32Fn = void (*)(const uint8_t* block, Decoded32* out);
 
 // ---------------------------------------------------------------------------------------
 // Scalar drivers (the reference for the vector ones).
@@ -358,6 +326,7 @@ TF_TARGET_AVX512 inline void d256_tile_avx512(const D256Zmm* z, int kcb, const u
 template <Decode256Fn Decode, size_t kBytes>
 TF_TARGET_AVX512 void matmul_d256_avx512(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1,
                                          const void* xv, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  if (ncols >= kPanelMinCols) return matmul_d256_panels_avx512<Decode, kBytes>(k, wv, ws, r0, r1, xv, xs, ncols, y, ldy);
   const uint8_t* w = static_cast<const uint8_t*>(wv);
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
   const int64_t nb = k / 256;
