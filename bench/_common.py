@@ -7,6 +7,8 @@ Environment (all optional):
   TF_BENCH_BACKENDS   "all" for every backend of _core.available_backends(), or a comma list
                       such as "cpu:avx2,cpu:scalar" (default: the first, i.e. the best CPU ISA)
   TF_BENCH_POOL_ROWS  distinct quantized rows a weight matrix is tiled from (default 256)
+and, for one file each, TF_BENCH_GEMM_ROWS (bench_products.py), TF_BENCH_MAX_CONTEXT
+(bench_attention.py).
 """
 from __future__ import annotations
 
@@ -88,9 +90,10 @@ def isa_of(backend_name: str) -> str:
     return backend_name.split(":", 1)[1] if ":" in backend_name else "auto"
 
 
-def measure_dram_gbps(nbytes: int = 0, threads: int = THREADS, reps: int = 5) -> float:
+def measure_dram_gbps(nbytes: int = 0, threads: int = THREADS, reps: int = 20) -> float:
     """DRAM read bandwidth: `threads` threads streaming a buffer of nbytes (default GEMV_BYTES,
-    several times the L3), best of `reps` after a first pass that faults the pages in."""
+    several times the L3), best of `reps` after a first pass that faults the pages in (as many
+    as the decode products' rounds: on a shared host the best of few passes is low)."""
     a = np.ones(nbytes or GEMV_BYTES, dtype=np.uint8)
     _core.kernels_read_bytes(a, threads)
     best = float("inf")

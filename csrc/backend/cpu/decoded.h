@@ -22,6 +22,7 @@
 
 #include "backend/cpu/decoded_block.h"
 #include "backend/cpu/kernels_internal.h"
+#include "backend/cpu/panel_avx2.h"
 #include "backend/cpu/panel_avx512.h"
 #include "backend/cpu/tile8_avx2.h"
 #include "backend/cpu/tile_avx2.h"
@@ -128,6 +129,9 @@ template <Decode256Fn Decode, size_t kBytes, int kMaxAbsQ = 127>
 TF_TARGET_AVX2 void matmul_d256_avx2(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1,
                                      const void* xq, size_t xs, int64_t ncols, float* y, int64_t ldy) {
   constexpr bool kOffset = kMaxAbsQ <= 63;
+  if constexpr (kOffset) {
+    if (ncols >= kPanel2MinCols) return matmul_d256_panels_avx2<Decode, kBytes>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+  }
   const auto prepare = [](const uint8_t* blk, Prep256* z) TF_TARGET_AVX2 {
     Decoded256 u;
     Decode(blk, &u);
