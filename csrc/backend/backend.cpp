@@ -2,40 +2,29 @@
 #include "backend/backend.h"
 
 #include "backend/cpu/cpu_backend.h"
-#include "backend/cpu/kernels_internal.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
+#include "core/cpu_features.h"
 
 namespace tf {
 
-namespace {
-CpuIsa parse_isa(const std::string& s) {
-  if (s.empty()) return best_isa();
-  if (s == "scalar") return CpuIsa::Scalar;
-  if (s == "avx2") return CpuIsa::Avx2;
-  if (s == "avx512") return CpuIsa::Avx512;
-  fail(ErrorKind::InvalidInput, "unknown instruction set '", s, "' (expected scalar, avx2 or avx512)");
-}
-}  // namespace
-
 std::vector<std::string> available_backends() {
   std::vector<std::string> out;
-  for (CpuIsa isa : {CpuIsa::Avx512, CpuIsa::Avx2, CpuIsa::Scalar})
-    if (cpu::detail::isa_available(isa)) out.push_back(std::string("cpu:") + isa_name(isa));
+  for (const std::string& v : cpu_backend_variants()) out.push_back("cpu:" + v);
   if (cuda::device_count() > 0) out.push_back("cuda");
   return out;
 }
 
 std::unique_ptr<Backend> make_backend(const BackendOptions& opts) {
-  std::string name = opts.name, isa = opts.isa;
+  std::string name = opts.name, variant = opts.variant;
   if (const auto colon = name.find(':'); colon != std::string::npos) {
-    isa = name.substr(colon + 1);
+    variant = name.substr(colon + 1);
     name = name.substr(0, colon);
   }
   if (name == "auto") name = cuda::device_count() > 0 && cuda::forward_supported() ? "cuda" : "cpu";
   if (name == "cpu") {
     const int threads = opts.threads > 0 ? opts.threads : usable_cpus();
-    return make_cpu_backend(threads, parse_isa(isa));
+    return make_cpu_backend(threads, variant);
   }
   if (name == "cuda") {
     if (!cuda::built_with_cuda())

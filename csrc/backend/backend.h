@@ -120,7 +120,7 @@ struct ProductShape {
 class Backend {
  public:
   virtual ~Backend() = default;
-  virtual std::string name() const = 0;     // the name make_backend takes: "cpu:avx512", ...
+  virtual std::string name() const = 0;     // the name make_backend takes: "<backend>:<variant>"
   virtual int threads() const = 0;
   // Whether weights of this type can be computed with (the others are refused by name at load).
   virtual bool supports(GgmlType t) const = 0;
@@ -186,12 +186,12 @@ class Backend {
 struct BackendOptions {
   std::string name = "cpu";  // "cpu", "cuda", "auto"
   int threads = 0;           // CPU threads (0: the CPUs this process may use)
-  std::string isa;           // cpu: cap the instruction set ("scalar", "avx2", "avx512"; "": best)
+  std::string variant;       // the backend's own variant (also "name:variant"); "": its default
 };
 
 // The backend named by the options; throws naming the available ones.
 std::unique_ptr<Backend> make_backend(const BackendOptions& opts);
-// Backends usable on this machine and build, e.g. ["cpu:avx512", "cpu:avx2", "cpu:scalar"]
+// Backends usable on this machine and build, as "name:variant" (every CPU instruction set, a GPU)
 // (each entry a name[:isa] make_backend accepts): what the op tests run over.
 std::vector<std::string> available_backends();
 

@@ -1,4 +1,4 @@
-// Multi-head latent attention (deepseek2), in absorbed form for decode and prefill alike:
+// Multi-head latent attention, in absorbed form for decode and prefill alike:
 //   q      = W_q x  or  W_qb norm(W_qa x)                      [heads][nope + rope]
 //   c, k_r = norm(W_kva x)[:latent], rope(W_kva x [latent:])    one row per token, in the cache
 //   q_abs  = [W_kb[h] q_nope[h], rope(q_rope[h])]               [heads][latent + rope]

@@ -37,7 +37,7 @@ class MoeFfn final : public FfnBlock {
   const float* selection_bias_ = nullptr;
   WeightStack gate_, up_, down_;
   Weight sh_gate_, sh_up_, sh_down_;  // shared expert (rows == 0: none)
-  Weight sh_scale_;                   // qwen2moe: logit of the shared expert's sigmoid gate ([E] x 1 row)
+  Weight sh_scale_;                   // gated shared expert: the logit of its sigmoid gate ([E] x 1 row)
   int64_t width_ = 0;                 // this rank's expert width
   int64_t split_ = -1, sh_split_ = -1;
   bool expert_parallel_ = false;
@@ -242,7 +242,7 @@ void MoeFfn::shared_expert(StepContext& ctx, float* out, float* out2, bool two) 
   be.matmul(xn_, T, E, gu, 2);
   be.silu_mul(sg_, FS, su_, FS, T, FS, sh_split_);
   if (ctx.calibrating) stats_->record(st_sh_down_, sg_, T, FS);
-  // Its gate: sigmoid(x . w) per token (qwen2moe), else 1.
+  // Its gate: sigmoid(x . w) per token where the architecture gates it, else 1.
   if (sh_scale_.rows > 0) {
     const Product sp{&sh_scale_, sh_logit_, 1};
     be.matmul(xn_, T, E, &sp, 1);

@@ -31,7 +31,7 @@ std::unique_ptr<AttentionBlock> make_attention(AttentionKind kind, const BlockCo
 }
 
 std::unique_ptr<FfnBlock> make_ffn(const BlockContext& c) {
-  // A layer with a router is MoE (deepseek2's leading layers are dense: they have none).
+  // A layer with a router is MoE (leading dense layers of a MoE model have none).
   const bool routed = c.cfg.is_moe() && c.w.has(c.prefix + "ffn_gate_inp.weight");
   return routed ? make_moe_ffn(c) : make_dense_ffn(c);
 }

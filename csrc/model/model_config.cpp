@@ -90,7 +90,7 @@ std::string utf8_or_replace(const std::string& s) {
   return out;
 }
 
-// deepseek2's attention sizes. llama.cpp's current files (attn_k_b/attn_v_b) give the cached
+// Multi-head latent attention's sizes. llama.cpp's current files (attn_k_b/attn_v_b) give the cached
 // row as key_length/value_length (latent + rope / latent) and the per-head sizes as the *_mla
 // keys; older files (attn_kv_b) have only key_length/value_length, then per head.
 void read_mla_geometry(const GgufFile& f, ModelConfig& c) {
@@ -155,7 +155,7 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     c.n_expert_used = int_key(f, key("expert_used_count"), 1, c.n_expert);
     c.n_ff_exp = int_key(f, key("expert_feed_forward_length"), c.n_ff, 1, 1 << 24);
     c.n_ff_shexp = int_key(f, key("expert_shared_feed_forward_length"), 0, 0, 1 << 24);
-    if (c.n_ff_shexp == 0)  // deepseek2: shared experts of the routed width
+    if (c.n_ff_shexp == 0)  // a count of shared experts of the routed width
       c.n_ff_shexp = int(int64_t(int_key(f, key("expert_shared_count"), 0, 0, 64)) * c.n_ff_exp);
     c.router.n_expert = c.n_expert;
     c.router.n_used = c.n_expert_used;
@@ -231,7 +231,7 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
                        float_key(f, key("rope.scaling.yarn_attn_factor"), 1.0, 1e-6, 1e6);
     set_yarn(c, orig_ctx, beta_fast, beta_slow, ext, attn);
     if (c.attention == AttentionKind::Mla) {
-      // deepseek2 (as llama.cpp and the reference model run it): the rotation keeps the
+      // MLA models (as llama.cpp and the reference models run them): the rotation keeps the
       // attention factor only, and the YaRN temperature goes into the softmax scale as mscale^2
       // with mscale = attn_factor (1 + yarn_log_multiplier ln(factor)).
       const float log_mul = float_key(f, key("rope.scaling.yarn_log_multiplier"), 0.0, 0.0, 1e3);

@@ -30,7 +30,7 @@ struct ArchTraits {
   bool qk_norm;                    // RMSNorm over each q/k head
   bool norm_topk;                  // default of expert_weights_norm
   // The file's attention.sliding_window (with attention.sliding_window_pattern) makes layers
-  // Swa (Mistral-style sliding windows over GQA).
+  // Swa (sliding windows over GQA).
   bool sliding_window;
 };
 const ArchTraits* find_arch(const std::string& name);
@@ -51,7 +51,7 @@ struct ModelConfig {
   AttentionKind attention = AttentionKind::Gqa;  // the architecture's kind (MLA geometry when Mla)
   std::vector<AttentionKind> layer_attention;     // the kind of each layer
   int64_t sliding_window = 0;                     // Swa layers: positions each token reads
-  // Multi-head latent attention (deepseek2). q = W_q x, or W_qb norm(W_qa x) with a q-LoRA
+  // Multi-head latent attention. q = W_q x, or W_qb norm(W_qa x) with a q-LoRA
   // (q_lora_rank > 0); per token one latent c = norm(W_kva x)[:kv_lora_rank] and one rope key
   // shared by all heads; head h's key/value are W_kb[h] c (qk_nope values, then the rope key)
   // and W_vb[h] c (v_head_dim values).
@@ -59,7 +59,7 @@ struct ModelConfig {
   int kv_lora_rank = 0;
   int qk_nope_dim = 0;       // = head_dim - rope_dim
   int v_head_dim = 0;        // per head, after W_vb
-  // Softmax scale of q.k: 1/sqrt(head_dim), times deepseek2's YaRN mscale^2.
+  // Softmax scale of q.k: 1/sqrt(head_dim), times the YaRN mscale^2 of MLA models.
   float attn_scale = 1.f;
   int n_ff = 0;
   int64_t n_vocab = 0;
@@ -75,8 +75,8 @@ struct ModelConfig {
   float rope_mscale = 1.f;
   int rope_dim = 0;
   bool rope_neox = false;    // rotate halves (NeoX) instead of adjacent pairs
-  bool qkv_bias = false;     // qwen2
-  bool qk_norm = false;      // qwen3: RMSNorm over each q/k head
+  bool qkv_bias = false;     // Q/K/V projections with biases
+  bool qk_norm = false;      // RMSNorm over each q/k head
   bool tied_output = false;  // LM head shares token_embd
 
   // Mixture of experts (n_expert == 0: dense). Which layers are MoE is decided per layer by
@@ -85,7 +85,7 @@ struct ModelConfig {
   int n_expert_used = 0;
   int n_ff_exp = 0;          // expert FFN width
   int n_ff_shexp = 0;        // shared expert FFN width (0: none)
-  bool shared_expert_gate = false;  // qwen2moe: shared expert scaled by sigmoid(x . w)
+  bool shared_expert_gate = false;  // shared expert scaled by sigmoid(x . w)
   moe::RouterConfig router;  // gating, top-k, normalisation, scale, groups
 
   bool is_moe() const { return n_expert > 0; }
