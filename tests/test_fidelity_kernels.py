@@ -161,15 +161,18 @@ def test_kernel_is_exact_over_its_activations(tname):
         want = xq @ W.T
         size = np.abs(xq) @ np.abs(W).T  # the sums' size without cancellation
         scale = size.max(axis=1, keepdims=True)
-        for impl in _impls():
-            for threads in (1, 2):
-                y = np.asarray(_core.kernels_matmul(tid, raw, rows, k, x, impl=impl, threads=threads),
+        # every backend (the seam's product: each CPU instruction set, a GPU where there is
+        # one), 1 and 2 threads, and a row count that leaves a partial tile (rows - 5)
+        for backend in _core.available_backends():
+            for threads, n_rows in ((1, rows), (2, rows), (2, rows - 5)):
+                be = _core.Backend(backend, threads)
+                y = np.asarray(be.matmul(tid, np.ascontiguousarray(raw[:n_rows]).reshape(-1), n_rows, k, x),
                                np.float64)
-                err = np.abs(y - want) / scale
+                err = np.abs(y - want[:, :n_rows]) / scale
                 worst = max(worst, float(err.max()))
                 r, c = np.unravel_index(np.argmax(err), err.shape)
                 assert err.max() <= REL_TOL, (
-                    f"{tname} k={k} {impl} x{ncols} threads={threads}: |y - exact| / max|x||W| = "
+                    f"{tname} k={k} {backend} x{ncols} rows={n_rows} threads={threads}: |y - exact| / max|x||W| = "
                     f"{err.max():.2e} at column {r} row {c} (y {y[r, c]:.6g}, exact {want[r, c]:.6g})")
     print(f"{tname}: k={k} rows={rows} worst relative error {worst:.1e}")
 
