@@ -91,6 +91,44 @@ struct AttentionBatch {
   int64_t window = 0;            // 0: every entry before end
   int n_cache_heads = 0, group = 1, head_dim = 0, v_dim = 0;
   float scale = 1.f;
+  // Attention sinks: one logit per query head (head i of the row at sinks[i]) that joins every
+  // softmax's denominator and contributes no value; nullptr: none.
+  const float* sinks = nullptr;
+  // Entries of a second cache layer read beside the first (compressed entries: same row shape,
+  // one cache head), in the same softmax: token t reads the entries [0, extra_count[t]), or,
+  // with extra_list, the entries extra_list[t * extra_len + i] (-1: none) of sequence seq[t].
+  const KvLayer* extra = nullptr;
+  const int64_t* extra_count = nullptr;  // host memory, T entries
+  const int32_t* extra_list = nullptr;   // host memory, T * extra_len entries
+  int64_t extra_len = 0;
+};
+
+// One slot of a gated pooling (a compressor's windows): the slot's source row gives its values
+// at kv_at and its gate logits at gate_at (D each); bias (D values) is added to the gate logits.
+struct PoolSlot {
+  int64_t kv_at = 0, gate_at = 0;
+  const float* bias = nullptr;
+};
+
+// Hyper-connections (n residual streams per token, each n_embd values, stream-major per token).
+// The maps come from each token's mixing logits mix[t] ((2 + n) * n values: pre, post, comb):
+//   pre[t][i]  = sigmoid(mix_pre[i] * scale[0] + base[i]) + eps
+//   post[t][i] = 2 * sigmoid(mix_post[i] * scale[1] + base[n + i])
+//   comb[t]    = an n x n matrix (row j, column i at comb[t][j * n + i]) from
+//                softmax over i of (mix_comb[j][i] * scale[2] + base[2n + j * n + i]) + eps,
+//                then `iters` Sinkhorn steps: columns divided by their sum + eps once, then
+//                (iters - 1) times rows then columns.
+// With post == nullptr (the final collapse), mix[t] has n values and only pre is made, with scale[0].
+struct HyperMaps {
+  const float* mix = nullptr;
+  int64_t ldm = 0;
+  const float* base = nullptr;
+  const float* scale = nullptr;
+  int n = 0, iters = 0;
+  float eps = 0.f;
+  float* pre = nullptr;    // [T][n]
+  float* post = nullptr;   // [T][n]
+  float* comb = nullptr;   // [T][n * n]
 };
 
 // The cache pages an attention batch reads: the layer's pool and its index in the pool.
@@ -155,8 +193,9 @@ class Backend {
   virtual void rope(float* v, int64_t T, int64_t ldv, int n_heads, int64_t head_stride, int64_t at,
                     const float* cs, int64_t ldcs, int rope_dim, bool neox, bool inverse = false) = 0;
   // g = silu(g) * u over n values of T rows; split in (0, n): the two parts apart (as TP ranks do).
+  // limit > 0 (clamped SwiGLU): g = min(g, limit) and u = clamp(u, -limit, limit) first.
   virtual void silu_mul(float* g, int64_t ldg, const float* u, int64_t ldu, int64_t T, int64_t n,
-                        int64_t split = 0) = 0;
+                        int64_t split = 0, float limit = 0.f) = 0;
   // y += x over n values (y, x contiguous).
   virtual void add(float* y, const float* x, int64_t n) = 0;
   // y[t] += b over n values of T rows.
@@ -174,10 +213,34 @@ class Backend {
   // Row i of src (n values) into the cache row dst[i] (a pointer into a pool of this backend).
   virtual void store_rows(const float* src, int64_t lds, int64_t n, void* const* dst, int64_t count, KvType t) = 0;
   virtual void attention(const AttentionBatch& a, const KvLayer& kv) = 0;
+  // Softmax-gated pooling (a compressor): entry e = per channel c < D, over the slots s whose row
+  // rows[e * n_slots + s] is not null (a cache row of type t): sum_s softmax_s(row_s[gate_at + c] +
+  // bias_s[c]) * row_s[kv_at + c]; written at out + e * ldo.
+  virtual void gated_pool(const void* const* rows, const PoolSlot* slots, int n_slots, int64_t count, int64_t D,
+                          KvType t, float* out, int64_t ldo) = 0;
+  // Lightning indexer: token t scores the entries s < count[t] of sequence seq[t] in a cache layer
+  // (one head of D values per entry) as sum_h w[t][h] * relu(q[t][h] . k_s) (q: n_heads heads of D
+  // values, ldq apart; w: ldw apart) and writes its k best entries, best first, to idx[t * k ..]
+  // (-1 where fewer than k). Ties keep the lower entry first.
+  virtual void index_topk(const float* q, int64_t ldq, int n_heads, int64_t D, const float* w, int64_t ldw,
+                          const KvLayer& kv, const int32_t* seq, const int64_t* count, int64_t T, int k,
+                          int32_t* idx) = 0;
+
+  // -- hyper-connections -------------------------------------------------------------------
+  virtual void hyper_maps(const HyperMaps& m, int64_t T) = 0;
+  // out[t] = sum_i pre[t][i] * streams[t][i] (n streams of E values).
+  virtual void hyper_collapse(const float* streams, const float* pre, int n, int64_t E, int64_t T, float* out,
+                              int64_t ldo) = 0;
+  // streams[t][i] = post[t][i] * block_out[t] + sum_j comb[t][j * n + i] * streams[t][j].
+  virtual void hyper_expand(float* streams, const float* block_out, int64_t ldb, const float* post,
+                            const float* comb, int n, int64_t E, int64_t T) = 0;
 
   // -- mixture of experts ------------------------------------------------------------------
   // Routes T tokens from their router logits and groups the (token, k) pairs by expert.
-  virtual void route(const moe::RouterConfig& cfg, const float* logits, int64_t T, const Routing& r) = 0;
+  // fixed (hash routing): [T][n_used] expert ids chosen by a table; only their weights come
+  // from the logits.
+  virtual void route(const moe::RouterConfig& cfg, const float* logits, int64_t T, const Routing& r,
+                     const int32_t* fixed = nullptr) = 0;
   // out[t] += sum over k with expert in [lo, hi) of weight[t][k] * expert_out[slot_of[t][k]].
   virtual void combine(float* out, int64_t ldo, const float* expert_out, int64_t lde, int64_t T, int64_t n,
                        const Routing& r, int n_used, int lo, int hi) = 0;

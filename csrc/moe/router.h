@@ -8,6 +8,7 @@ namespace tf::moe {
 enum class Gating : int {
   Softmax = 1,  // probabilities = softmax(logits)          (qwen2moe, qwen3moe, mixtral, deepseek v2)
   Sigmoid = 2,  // scores = sigmoid(logits)                  (deepseek v3)
+  SqrtSoftplus = 4,  // scores = sqrt(softplus(logits))     (deepseek v4; llama.cpp's value 4)
 };
 
 struct RouterConfig {
