@@ -50,12 +50,16 @@ const char* finish_reason_name(FinishReason r) {
   }
 }
 
+KvSizing Engine::kv_sizing(const EngineOptions& opts, int64_t n_blocks) const {
+  return KvSizing{n_blocks * kKvBlockSize, opts.max_seqs, max_batch_tokens_};
+}
+
 void Engine::check_sizes(const EngineOptions& opts, int64_t n_blocks) const {
   // Sizes that cannot work on this machine at all (or overflow), named one by one, before
   // the plan is weighed against the budget.
   const ModelConfig& c = model_->config();
   const std::vector<KvSpec> specs = model_->kv_specs();
-  const std::vector<KvGroupPlan> groups = KvCache::plan(specs, n_blocks * kKvBlockSize, opts.kv_type, false);
+  const std::vector<KvGroupPlan> groups = KvCache::plan(specs, kv_sizing(opts, n_blocks), opts.kv_type, false);
   const int elem = opts.kv_type == KvType::F32 ? 4 : 2;
   double want_exact = 0;
   uint64_t pool_bytes = 0;
@@ -74,8 +78,8 @@ void Engine::check_sizes(const EngineOptions& opts, int64_t n_blocks) const {
     else
       why << "(K " << sp.k_dim << " + V " << sp.v_dim << ") values";
     if (sp.compression > 1) why << " / " << sp.compression;
-    want_exact += double(g.layers.size()) * double(sp.values_per_entry()) * elem * double(n_blocks) * kKvBlockSize /
-                  double(sp.compression);
+    want_exact += double(g.layers.size()) * double(sp.values_per_entry()) * elem * double(g.n_blocks) *
+                  kKvBlockSize;
     overflow |= g.bytes == 0 || __builtin_add_overflow(pool_bytes, g.bytes, &pool_bytes);
   }
   why << " x " << elem << " bytes)";
@@ -105,6 +109,8 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   TF_CHECK(opts.threads >= 0 && opts.threads <= 1024, "threads = ", opts.threads,
            " is out of range (1..1024, or 0 for the usable CPUs)");
   TF_CHECK(opts.max_batch_tokens >= 1, "max_batch_tokens must be >= 1, got ", opts.max_batch_tokens);
+  TF_CHECK(opts.max_seqs >= 1 && opts.max_seqs <= KvCache::kMaxSeqs, "max_seqs must be an integer in [1, ",
+           KvCache::kMaxSeqs, "], got ", opts.max_seqs);
   TF_CHECK(opts.context >= 0 && opts.context <= kMaxContext, "context must be an integer in [2, ", kMaxContext,
            "] (0: the model's), got ", opts.context);
   TF_CHECK(opts.kv_tokens >= 0 && opts.kv_tokens <= kMaxKvTokens, "kv_tokens must be an integer in [1, ",
@@ -170,7 +176,7 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   }
   if (tp_.size == 2) load_with_heartbeat(shard);  // reads this rank's slices
   else file_->prefault();  // the mapped weights resident now, as planned, not page by page while serving
-  kv_ = std::make_unique<KvCache>(model_->kv_specs(), n_blocks * kKvBlockSize, opts.kv_type, *be_);
+  kv_ = std::make_unique<KvCache>(model_->kv_specs(), kv_sizing(opts, n_blocks), opts.kv_type, *be_);
   kv_->prefault();
   // Rank 0 decides which blocks hold what; a follower mirrors its tables and caches nothing.
   // The hash seed is private to this engine, so nobody can aim key collisions at it.

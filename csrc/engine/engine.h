@@ -63,6 +63,9 @@ struct EngineOptions {
   // allocated); 0: the memory available now; < 0: no budget.
   int64_t memory_budget = 0;
   bool prefix_cache = true;    // reuse the KV blocks of earlier identical prompt prefixes
+  // Sequences at once the windowed caches (sliding windows, compressors' pending rows) are
+  // sized for: each holds window + one step of rows per sequence, not kv_tokens.
+  int max_seqs = 32;
   TpOptions tp;
 };
 
@@ -182,6 +185,7 @@ class Engine {
   // TP follower: checks plan_ field by field, fills batch_ and mirrors the block tables.
   void apply_plan();
   void check_sizes(const EngineOptions& opts, int64_t n_blocks) const;
+  KvSizing kv_sizing(const EngineOptions& opts, int64_t n_blocks) const;
   // TP=2: loads this rank's slices while a heartbeat exchange with the peer runs, then returns
   // once both ranks have loaded (a barrier with its own deadline, load_timeout_s).
   void load_with_heartbeat(TpShard shard);

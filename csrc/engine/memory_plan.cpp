@@ -93,7 +93,8 @@ void size_plan(MemoryPlan& p, Model& model, const EngineGeometry& g, const Engin
   p.max_batch_tokens = g.max_batch_tokens;
   // The prefix cache's index (rank 0 only: a follower caches nothing) grows with the pool.
   const bool index = opts.prefix_cache && opts.tp.rank == 0;
-  p.kv_groups = KvCache::plan(model.kv_specs(), g.kv_tokens, opts.kv_type, index);
+  p.kv_groups = KvCache::plan(model.kv_specs(), KvSizing{g.kv_tokens, opts.max_seqs, g.max_batch_tokens},
+                              opts.kv_type, index);
   p.kv = 0;
   p.kv_bytes_per_token = 0;
   for (const KvGroupPlan& grp : p.kv_groups) {
@@ -139,10 +140,17 @@ MemoryPlan plan_memory(Model& model, const EngineGeometry& g, const EngineOption
   if (p.budget > 0) {
     const uint64_t fixed = p.weights + p.scratch + p.comm + p.margin;
     if (p.budget > fixed && p.kv > 0) {
-      // Every group grows in proportion to the pool: its bytes per token of the pool, in whole
-      // blocks of kKvBlockSize tokens.
-      const double per_token = double(p.kv) / double(g.kv_tokens);
-      const int64_t tokens = int64_t(double(p.budget - fixed) / per_token) / kKvBlockSize * kKvBlockSize;
+      // Every group sized by tokens grows in proportion to the pool (its bytes per token of the
+      // pool, in whole blocks of kKvBlockSize tokens); groups sized by sequences stay.
+      double per_seqs = 0;
+      for (const KvGroupPlan& grp : p.kv_groups)
+        if (grp.seq_tokens > 0) per_seqs += double(grp.bytes + grp.index_bytes);
+      const double per_token = (double(p.kv) - per_seqs) / double(g.kv_tokens);
+      const double room = double(p.budget - fixed) - per_seqs;
+      const int64_t tokens =
+          room <= 0 ? 0
+          : per_token <= 0 ? Engine::kMaxKvTokens / kKvBlockSize * kKvBlockSize
+                           : int64_t(std::min(room / per_token, double(Engine::kMaxKvTokens))) / kKvBlockSize * kKvBlockSize;
       int64_t fit = tokens;
       // Rounding of compressed groups to whole blocks: step down until the plan really fits.
       while (fit >= g.context) {
@@ -209,6 +217,7 @@ std::string MemoryPlan::table() const {
       const std::string what = "KV group " + std::to_string(i);
       row(what.c_str(), g.bytes + g.index_bytes,
           std::to_string(g.layers.size()) + (g.layers.size() == 1 ? " layer: " : " layers: ") + g.spec.describe() +
+              (g.seq_tokens > 0 ? "; " + human(g.bytes_per_seq) + " per sequence" : "") +
               (g.index_bytes ? "; + prefix-cache index" : ""));
     }
   }

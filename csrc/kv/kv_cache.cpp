@@ -10,8 +10,9 @@
 
 namespace tf {
 
-std::vector<KvGroupPlan> KvCache::plan(const std::vector<KvSpec>& layer_specs, int64_t kv_tokens, KvType type,
+std::vector<KvGroupPlan> KvCache::plan(const std::vector<KvSpec>& layer_specs, const KvSizing& size, KvType type,
                                        bool prefix_cache) {
+  const int64_t kv_tokens = size.kv_tokens;
   std::vector<KvGroupPlan> out;
   for (size_t l = 0; l < layer_specs.size(); ++l) {
     const KvSpec& s = layer_specs[l];
@@ -25,7 +26,15 @@ std::vector<KvGroupPlan> KvCache::plan(const std::vector<KvSpec>& layer_specs, i
   }
   const uint64_t elem = type == KvType::F32 ? 4 : 2;
   for (KvGroupPlan& g : out) {
-    const int64_t entries = (kv_tokens + g.spec.compression - 1) / g.spec.compression;
+    int64_t tokens = kv_tokens;
+    const int64_t per_block = int64_t(kBlockSize) * g.spec.compression;
+    const bool per_seq = g.spec.window > 0 && size.seqs > 0;
+    int64_t seq_tokens = 0;
+    if (per_seq) {
+      seq_tokens = ((g.spec.window + size.chunk + per_block - 1) / per_block + 1) * per_block;
+      if (seq_tokens < kv_tokens && size.seqs < kv_tokens / seq_tokens) tokens = size.seqs * seq_tokens;
+    }
+    const int64_t entries = (tokens + g.spec.compression - 1) / g.spec.compression;
     g.n_blocks = std::max<int64_t>(1, (entries + kBlockSize - 1) / kBlockSize);
     g.bytes = KvPool::bytes(g.spec, int(g.layers.size()), kBlockSize, g.n_blocks, type);
     if (prefix_cache)
@@ -35,14 +44,19 @@ std::vector<KvGroupPlan> KvCache::plan(const std::vector<KvSpec>& layer_specs, i
     for (uint64_t f : {uint64_t(g.layers.size()), uint64_t(g.spec.values_per_entry())})
       ovf |= __builtin_mul_overflow(per, f, &per);
     g.bytes_per_token = ovf ? 0 : (per + uint64_t(g.spec.compression) - 1) / uint64_t(g.spec.compression);
+    if (per_seq) {
+      g.seq_tokens = std::min(seq_tokens, kv_tokens);
+      g.bytes_per_seq = g.bytes_per_token * uint64_t(g.seq_tokens);
+      g.bytes_per_token = 0;
+    }
   }
   return out;
 }
 
-KvCache::KvCache(const std::vector<KvSpec>& layer_specs, int64_t kv_tokens, KvType type, Backend& be)
-    : type_(type), kv_tokens_(kv_tokens), be_(&be) {
-  TF_CHECK(!layer_specs.empty() && kv_tokens > 0, "invalid KV cache geometry");
-  const std::vector<KvGroupPlan> plans = plan(layer_specs, kv_tokens, type, false);
+KvCache::KvCache(const std::vector<KvSpec>& layer_specs, const KvSizing& size, KvType type, Backend& be)
+    : type_(type), kv_tokens_(size.kv_tokens), be_(&be) {
+  TF_CHECK(!layer_specs.empty() && size.kv_tokens > 0, "invalid KV cache geometry");
+  const std::vector<KvGroupPlan> plans = plan(layer_specs, size, type, false);
   layer_group_.assign(layer_specs.size(), 0);
   layer_index_.assign(layer_specs.size(), 0);
   max_seqs_ = kMaxSeqs;
@@ -59,6 +73,7 @@ KvCache::KvCache(const std::vector<KvSpec>& layer_specs, int64_t kv_tokens, KvTy
            " GiB); lower kv_tokens (or context)");
     Group grp;
     grp.spec = p.spec;
+    grp.seq_tokens = p.seq_tokens;
     grp.layers = p.layers;
     grp.pool = std::make_unique<KvPool>(p.spec, int(p.layers.size()), kBlockSize, p.n_blocks, type, std::move(storage));
     for (size_t i = 0; i < p.layers.size(); ++i) {
@@ -82,7 +97,12 @@ void KvCache::prefault() {
 
 int64_t KvCache::free_tokens() const {
   int64_t t = std::numeric_limits<int64_t>::max();
-  for (const Group& g : groups_) t = std::min(t, g.pool->free_blocks() * g.pool->tokens_per_block());
+  for (const Group& g : groups_) {
+    const int64_t free = g.pool->free_blocks() * g.pool->tokens_per_block();
+    // A window group sized by sequences limits no length once it has room for one more of them.
+    if (g.seq_tokens > 0 && free >= g.seq_tokens) continue;
+    t = std::min(t, free);
+  }
   return std::min(t, kv_tokens_);
 }
 

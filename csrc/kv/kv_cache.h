@@ -33,7 +33,18 @@ struct KvGroupPlan {
   int64_t n_blocks = 0;
   uint64_t bytes = 0;       // rows of all blocks (0: overflow)
   uint64_t index_bytes = 0; // its prefix cache index
-  uint64_t bytes_per_token = 0;  // rows of one token over the group's layers (compressed: rounded up)
+  uint64_t bytes_per_token = 0;  // rows of one token over the group's layers (compressed: rounded up; window: 0)
+  uint64_t bytes_per_seq = 0;    // window groups sized by sequences: the rows one sequence may hold
+  int64_t seq_tokens = 0;        // ... and their tokens (0: the group is sized by tokens)
+};
+
+// The tokens each group holds: kv_tokens, except window groups when seqs > 0: seqs sequences of
+// window + chunk tokens each (a step writes up to `chunk` tokens before the blocks behind the
+// window are let go), in whole blocks plus one for alignment, never more than kv_tokens.
+struct KvSizing {
+  int64_t kv_tokens = 0;
+  int64_t seqs = 0;
+  int64_t chunk = 0;
 };
 
 class KvCache {
@@ -41,9 +52,15 @@ class KvCache {
   static constexpr int kBlockSize = 16;        // entries per block
   static constexpr int kMaxSeqs = 1 << 16;     // sequence slots at most
   // The groups of these layer specs for a pool of kv_tokens tokens (whole blocks in every group).
-  static std::vector<KvGroupPlan> plan(const std::vector<KvSpec>& layer_specs, int64_t kv_tokens, KvType type,
+  static std::vector<KvGroupPlan> plan(const std::vector<KvSpec>& layer_specs, const KvSizing& size, KvType type,
                                        bool prefix_cache);
-  KvCache(const std::vector<KvSpec>& layer_specs, int64_t kv_tokens, KvType type, Backend& be);
+  static std::vector<KvGroupPlan> plan(const std::vector<KvSpec>& layer_specs, int64_t kv_tokens, KvType type,
+                                       bool prefix_cache) {
+    return plan(layer_specs, KvSizing{kv_tokens, 0, 0}, type, prefix_cache);
+  }
+  KvCache(const std::vector<KvSpec>& layer_specs, const KvSizing& size, KvType type, Backend& be);
+  KvCache(const std::vector<KvSpec>& layer_specs, int64_t kv_tokens, KvType type, Backend& be)
+      : KvCache(layer_specs, KvSizing{kv_tokens, 0, 0}, type, be) {}
 
   int n_groups() const { return int(groups_.size()); }
   KvPool& group(int g) { return *groups_[size_t(g)].pool; }
@@ -90,6 +107,7 @@ class KvCache {
  private:
   struct Group {
     KvSpec spec;
+    int64_t seq_tokens = 0;  // sized by sequences: the tokens one of them may hold (KvGroupPlan)
     std::vector<int> layers;
     std::unique_ptr<KvPool> pool;
   };

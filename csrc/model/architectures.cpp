@@ -15,6 +15,8 @@ const ArchTraits kArchitectures[] = {
     {"qwen3moe",  "",               AttentionKind::Gqa, true,     false,   true,   true,     false},
     {"deepseek2", "DeepSeek V2/V3/R1, Kimi-K2, Moonlight",
                                     AttentionKind::Mla, false,    false,   false,  false,    false},
+    // V4: layers of the three SharedKv kinds by attention.compress_ratios, hyper-connections
+    {"deepseek4", "DeepSeek V4", AttentionKind::SharedKvWindow, false, false, false, true, false},
 };
 }  // namespace
 
@@ -23,6 +25,9 @@ const char* attention_kind_name(AttentionKind k) {
     case AttentionKind::Gqa: return "gqa";
     case AttentionKind::Mla: return "mla";
     case AttentionKind::Swa: return "swa";
+    case AttentionKind::SharedKvWindow: return "shared-kv window";
+    case AttentionKind::SharedKvCompressed: return "shared-kv window + compressed";
+    case AttentionKind::SharedKvSparse: return "shared-kv window + sparse compressed";
   }
   return "?";
 }

@@ -30,12 +30,12 @@ GqaAttention::GqaAttention(const BlockContext& c, int64_t window)
   kv_heads_ = HK;
 }
 
-KvSpec GqaAttention::kv_spec() const {
+std::vector<KvSpec> GqaAttention::kv_specs() const {
   KvSpec s;
   s.n_heads = int(kv_heads_);
   s.k_dim = s.v_dim = cfg_.head_dim;
   s.window = window_;
-  return s;
+  return {s};
 }
 
 void GqaAttention::prepare(WeightLoader& w) {
@@ -110,7 +110,7 @@ void GqaAttention::forward(StepContext& ctx, const float* x, float* out) {
   be.rope(q_, T, QD, int(H), D, 0, ctx.rope_cs, rd, rd, cfg_.rope_neox);
   be.rope(k_, T, KD, int(HK), D, 0, ctx.rope_cs, rd, rd, cfg_.rope_neox);
   // K and V rows into the cache: row (t, h) of K, then of V.
-  const KvLayer kv = ctx.kv.layer(layer_);
+  const KvLayer kv = ctx.kv.layer(kv_base_);
   for (int64_t t = 0; t < T; ++t) {
     const BatchToken& bt = ctx.batch[size_t(t)];
     for (int64_t h = 0; h < HK; ++h) {

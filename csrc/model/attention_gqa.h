@@ -11,7 +11,7 @@ class GqaAttention : public AttentionBlock {
  public:
   // window > 0: every token reads only its last `window` positions (the Swa kind).
   GqaAttention(const BlockContext& c, int64_t window);
-  KvSpec kv_spec() const override;
+  std::vector<KvSpec> kv_specs() const override;
   void prepare(WeightLoader& w) override;
   void plan_scratch(Scratch& s, int64_t T) override;
   void attach_stats(ActivationStats* stats) override;

@@ -23,12 +23,12 @@ namespace {
 class MlaAttention final : public AttentionBlock {
  public:
   explicit MlaAttention(const BlockContext& c);
-  KvSpec kv_spec() const override {
+  std::vector<KvSpec> kv_specs() const override {
     KvSpec s;
     s.n_heads = 1;
     s.k_dim = cfg_.kv_lora_rank + cfg_.rope_dim;  // the latent, then the rope key
     s.v_dim = 0;                                  // V: the latent, a prefix of the row
-    return s;
+    return {s};
   }
   void prepare(WeightLoader& w) override;
   void plan_scratch(Scratch& s, int64_t T) override;
@@ -223,7 +223,7 @@ void MlaAttention::forward(StepContext& ctx, const float* x, float* out) {
   // parts rotated into the absorbed queries.
   be.rmsnorm(latent_, CR, kv_a_norm_, latent_, CR, T, C, cfg_.rms_eps);
   be.rope(latent_, T, CR, 1, CR, C, ctx.rope_cs, R, int(R), cfg_.rope_neox);
-  const KvLayer kv = ctx.kv.layer(layer_);
+  const KvLayer kv = ctx.kv.layer(kv_base_);
   for (int64_t t = 0; t < T; ++t) rows_[t] = kv.pool->k_row(kv.layer, ctx.batch[size_t(t)].seq, ctx.batch[size_t(t)].pos, 0);
   be.store_rows(latent_, CR, CR, rows_, T, ctx.kv.type());
   be.rope(q_, T, H * D, int(H), D, N, ctx.rope_cs, R, int(R), cfg_.rope_neox);

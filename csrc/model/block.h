@@ -66,7 +66,14 @@ class Block {
 
 class AttentionBlock : public Block {
  public:
-  virtual KvSpec kv_spec() const = 0;
+  // What the block keeps in the KV cache: one spec per cache stream (rows per token, compressed
+  // entries, a window of per-token state...). Each stream is a cache layer of its own; the
+  // model numbers them in order and tells the block its first (kv_base).
+  virtual std::vector<KvSpec> kv_specs() const = 0;
+  void set_kv_base(int base) { kv_base_ = base; }
+
+ protected:
+  int kv_base_ = 0;
 };
 
 class FfnBlock : public Block {
@@ -91,6 +98,6 @@ class ResidualPolicy {
 // The blocks of each kind (model/kinds.cpp).
 std::unique_ptr<AttentionBlock> make_attention(AttentionKind kind, const BlockContext& c);
 std::unique_ptr<FfnBlock> make_ffn(const BlockContext& c);
-std::unique_ptr<ResidualPolicy> make_residual(const ModelConfig& cfg);
+std::unique_ptr<ResidualPolicy> make_residual(const ModelConfig& cfg, WeightLoader& w);
 
 }  // namespace tf

@@ -1,5 +1,6 @@
-// The mixture-of-experts FFN block: the router's logits, routing (moe/router: softmax or
-// sigmoid gating, selection bias, groups, top-k), the tokens grouped by expert, one low-bit
+// The mixture-of-experts FFN block: the router's logits, routing (moe/router: softmax, sigmoid
+// or sqrtsoftplus gating, selection bias, groups, top-k; or, in hash layers, the experts a
+// token -> experts table names, weighted by their scores), the tokens grouped by expert, one low-bit
 // product per active expert for gate/up and for down, the weighted combine, and the shared
 // expert (optionally scaled by a sigmoid gate). Under TP=2 experts are split by width (every
 // rank works on every token) when the width halves on block boundaries, else by expert index
@@ -35,6 +36,8 @@ class MoeFfn final : public FfnBlock {
   const float* norm_ = nullptr;
   Weight router_;
   const float* selection_bias_ = nullptr;
+  const int32_t* token_experts_ = nullptr;  // hash layers: [n_vocab][n_used] expert ids
+  float limit_ = 0.f, sh_limit_ = 0.f;      // clamped SwiGLU (0: none)
   WeightStack gate_, up_, down_;
   Weight sh_gate_, sh_up_, sh_down_;  // shared expert (rows == 0: none)
   Weight sh_scale_;                   // gated shared expert: the logit of its sigmoid gate ([E] x 1 row)
@@ -49,6 +52,7 @@ class MoeFfn final : public FfnBlock {
   float *xn_ = nullptr, *logits_ = nullptr, *eg_ = nullptr, *eu_ = nullptr, *eo_ = nullptr, *eo2_ = nullptr,
         *out2_ = nullptr, *sg_ = nullptr, *su_ = nullptr, *sh_ = nullptr, *sh_logit_ = nullptr, *ones_ = nullptr;
   Routing r_;
+  int32_t* fixed_ = nullptr;  // hash layers: the batch's experts
   ActivationStats* stats_ = nullptr;
   int st_in_ = -1, st_exp_in_ = -1, st_exp_down_ = -1, st_sh_down_ = -1;
 };
@@ -60,6 +64,16 @@ MoeFfn::MoeFfn(const BlockContext& c) : cfg_(c.cfg), layer_(c.layer), prefix_(c.
   norm_ = w.vector(p + "ffn_norm.weight", E);
   router_ = w.weight(p + "ffn_gate_inp.weight", E, NE);
   selection_bias_ = w.vector(p + "exp_probs_b.bias", NE, false);
+  if (c.layer < cfg_.hash_layers) {
+    const int64_t K = cfg_.n_expert_used;
+    token_experts_ = w.ints(p + "ffn_gate_tid2eid.weight", {K, cfg_.n_vocab});
+    for (int64_t i = 0; i < K * cfg_.n_vocab; ++i)
+      if (token_experts_[i] < 0 || token_experts_[i] >= NE)
+        fail(ErrorKind::InvalidInput, w.file().display_path(), ": ", p, "ffn_gate_tid2eid.weight names expert ",
+             token_experts_[i], " for token ", i / K, " (valid: 0..", NE - 1, ")");
+  }
+  if (!cfg_.swiglu_limit.empty()) limit_ = cfg_.swiglu_limit[size_t(c.layer)];
+  if (!cfg_.swiglu_limit_shexp.empty()) sh_limit_ = cfg_.swiglu_limit_shexp[size_t(c.layer)];
   gate_ = w.stack(p + "ffn_gate_exps.weight", E, FE, NE);
   up_ = w.stack(p + "ffn_up_exps.weight", E, FE, NE);
   down_ = w.stack(p + "ffn_down_exps.weight", FE, E, NE);
@@ -140,6 +154,7 @@ void MoeFfn::plan_scratch(Scratch& s, int64_t T) {
   r_.offsets = s.i32("moe.offsets", NE + 1);
   r_.rows = s.i32("moe.rows", R);
   r_.slot_of = s.i32("moe.slot_of", R);
+  fixed_ = token_experts_ ? s.i32("moe.fixed", R) : nullptr;
   eg_ = s.f32("moe.gate", R * FE);
   eu_ = s.f32("moe.up", R * FE);
   eo_ = s.f32("moe.out", R * E);
@@ -191,7 +206,12 @@ void MoeFfn::forward(StepContext& ctx, const float* x, float* out) {
   be.matmul(xn_, T, E, &rp, 1);
   moe::RouterConfig rc = cfg_.router;
   rc.selection_bias = selection_bias_;
-  be.route(rc, logits_, T, r_);
+  if (token_experts_) {
+    const int64_t Kx = K;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < Kx; ++k) fixed_[t * Kx + k] = token_experts_[int64_t(ctx.tokens[t]) * Kx + k];
+  }
+  be.route(rc, logits_, T, r_, fixed_);
   for (int64_t e = 0; e < NE; ++e) usage_[size_t(e)] += r_.offsets[e + 1] - r_.offsets[e];
   if (trace_) trace_->insert(trace_->end(), r_.ids, r_.ids + R);
   if (ctx.calibrating) stats_->record_grouped(st_exp_in_, xn_, E, r_.offsets, r_.rows);
@@ -203,7 +223,7 @@ void MoeFfn::forward(StepContext& ctx, const float* x, float* out) {
   g.last = hi_;
   const StackProduct gu[] = {{&gate_, eg_, FE}, {&up_, eu_, FE}};
   be.matmul_stack(xn_, E, g, gu, 2);
-  be.silu_mul(eg_, FE, eu_, FE, R, FE, split_);
+  be.silu_mul(eg_, FE, eu_, FE, R, FE, split_, limit_);
   if (ctx.calibrating) stats_->record_grouped(st_exp_down_, eg_, FE, r_.offsets, nullptr);
   // 3. Down projections and the weighted combine (slot order: fixed), per split part: the
   // partial sums TP ranks hold, added as the All-Reduce adds them.
@@ -240,7 +260,7 @@ void MoeFfn::shared_expert(StepContext& ctx, float* out, float* out2, bool two) 
   const int64_t T = ctx.T, E = cfg_.n_embd, FS = sh_gate_.rows;
   const Product gu[] = {{&sh_gate_, sg_, FS}, {&sh_up_, su_, FS}};
   be.matmul(xn_, T, E, gu, 2);
-  be.silu_mul(sg_, FS, su_, FS, T, FS, sh_split_);
+  be.silu_mul(sg_, FS, su_, FS, T, FS, sh_split_, sh_limit_);
   if (ctx.calibrating) stats_->record(st_sh_down_, sg_, T, FS);
   // Its gate: sigmoid(x . w) per token where the architecture gates it, else 1.
   if (sh_scale_.rows > 0) {

@@ -8,9 +8,13 @@ namespace tf {
 std::unique_ptr<AttentionBlock> make_gqa_attention(const BlockContext& c);
 std::unique_ptr<AttentionBlock> make_mla_attention(const BlockContext& c);
 std::unique_ptr<AttentionBlock> make_swa_attention(const BlockContext& c);
+std::unique_ptr<AttentionBlock> make_shared_kv_window(const BlockContext& c);
+std::unique_ptr<AttentionBlock> make_shared_kv_compressed(const BlockContext& c);
+std::unique_ptr<AttentionBlock> make_shared_kv_sparse(const BlockContext& c);
 std::unique_ptr<FfnBlock> make_dense_ffn(const BlockContext& c);
 std::unique_ptr<FfnBlock> make_moe_ffn(const BlockContext& c);
 std::unique_ptr<ResidualPolicy> make_single_stream(const ModelConfig& cfg);
+std::unique_ptr<ResidualPolicy> make_hyper_streams(const ModelConfig& cfg, WeightLoader& w);
 
 namespace {
 struct AttentionKindRow {
@@ -21,6 +25,9 @@ const AttentionKindRow kAttentionKinds[] = {
     {AttentionKind::Gqa, make_gqa_attention},
     {AttentionKind::Mla, make_mla_attention},
     {AttentionKind::Swa, make_swa_attention},
+    {AttentionKind::SharedKvWindow, make_shared_kv_window},
+    {AttentionKind::SharedKvCompressed, make_shared_kv_compressed},
+    {AttentionKind::SharedKvSparse, make_shared_kv_sparse},
 };
 }  // namespace
 
@@ -36,6 +43,8 @@ std::unique_ptr<FfnBlock> make_ffn(const BlockContext& c) {
   return routed ? make_moe_ffn(c) : make_dense_ffn(c);
 }
 
-std::unique_ptr<ResidualPolicy> make_residual(const ModelConfig& cfg) { return make_single_stream(cfg); }
+std::unique_ptr<ResidualPolicy> make_residual(const ModelConfig& cfg, WeightLoader& w) {
+  return cfg.hc_mult > 1 ? make_hyper_streams(cfg, w) : make_single_stream(cfg);
+}
 
 }  // namespace tf

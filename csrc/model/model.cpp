@@ -30,7 +30,7 @@ Model::Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp)
     layers_[size_t(il)].attn = make_attention(cfg_.layer_attention[size_t(il)], c);
     layers_[size_t(il)].ffn = make_ffn(c);
   }
-  residual_ = make_residual(cfg_);
+  residual_ = make_residual(cfg_, loader_);
   vocab_begin_ = 0;
   vocab_end_ = cfg_.n_vocab;
   if (tp_.size > 1) {
@@ -40,10 +40,13 @@ Model::Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp)
     vocab_end_ = tp_.rank == 0 ? vsplit : cfg_.n_vocab;
     output_ = loader_.slice_rows(output_, vocab_begin_, vocab_end_);
   }
+  int kv_base = 0;  // the cache layers of each block's streams, in layer order
   for (Layer& L : layers_) {
     check_interrupt();
     L.attn->prepare(loader_);
     L.ffn->prepare(loader_);
+    L.attn->set_kv_base(kv_base);
+    kv_base += int(L.attn->kv_specs().size());
   }
   reset_expert_usage();
 }
@@ -52,7 +55,10 @@ Model::~Model() = default;
 
 std::vector<KvSpec> Model::kv_specs() const {
   std::vector<KvSpec> out;
-  for (const Layer& L : layers_) out.push_back(L.attn->kv_spec());
+  for (const Layer& L : layers_) {
+    const std::vector<KvSpec> s = L.attn->kv_specs();
+    out.insert(out.end(), s.begin(), s.end());
+  }
   return out;
 }
 

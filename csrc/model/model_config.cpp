@@ -5,11 +5,10 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "model/metadata.h"
 #include "model/rope.h"
 
 namespace tf {
-
-namespace {
 
 // Integer metadata is range-checked as int64 before it is narrowed, so 2^32 + 1536 is refused,
 // not read as 1536.
@@ -60,6 +59,8 @@ std::string printable(const std::string& s) {
   }
   return out;
 }
+
+namespace {
 
 // Valid UTF-8 stays as it is; anything else gets each bad byte replaced by U+FFFD, so the
 // string can always become a Python str.
@@ -130,6 +131,9 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
   auto key = [&](const char* k) { return a + "." + k; };
   c.n_embd = int_key(f, key("embedding_length"), 1, 1 << 24);
   c.n_layer = int_key(f, key("block_count"), 1, 4096);
+  // Next-token-prediction layers follow the ordinary ones and count in block_count.
+  c.n_nextn = int_key(f, key("nextn_predict_layers"), 0, 0, c.n_layer - 1);
+  c.n_layer -= c.n_nextn;
   c.n_head = int_key(f, key("attention.head_count"), 1, 4096);
   c.n_head_kv = int_key(f, key("attention.head_count_kv"), c.n_head, 1, 4096);
   if (c.n_head % c.n_head_kv != 0)
@@ -137,7 +141,7 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
          " is not a multiple of head_count_kv ", c.n_head_kv);
   const int64_t default_hd = c.n_embd / c.n_head;
   c.attention = traits->attention;
-  if (c.attention == AttentionKind::Gqa) {
+  if (c.attention != AttentionKind::Mla) {
     c.head_dim = int_key(f, key("attention.key_length"), default_hd, 1, 512);
     const int64_t vdim = f.get_int(key("attention.value_length"), c.head_dim);
     if (vdim != c.head_dim)
@@ -160,9 +164,10 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     c.router.n_expert = c.n_expert;
     c.router.n_used = c.n_expert_used;
     const int64_t gating = f.get_int(key("expert_gating_func"), 1);
-    if (gating != 1 && gating != 2)
-      fail(ErrorKind::Unsupported, path, ": expert_gating_func ", gating, " is not supported");
-    c.router.gating = gating == 2 ? moe::Gating::Sigmoid : moe::Gating::Softmax;
+    if (gating != 1 && gating != 2 && gating != 4)
+      fail(ErrorKind::Unsupported, path, ": expert_gating_func ", gating,
+           " is not supported (supported: 1 softmax, 2 sigmoid, 4 sqrtsoftplus)");
+    c.router.gating = moe::Gating(gating);
     c.router.norm_topk = f.get_bool(key("expert_weights_norm"), default_norm_topk);
     c.router.scale = float_key(f, key("expert_weights_scale"), 1.0, 1e-6, 1e6);
     c.router.n_group = int_key(f, key("expert_group_count"), 1, 1, c.n_expert);
@@ -251,9 +256,9 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     while (k < t.name.size() && k < 4 + 12 && t.name[k] >= '0' && t.name[k] <= '9')
       layer = layer * 10 + (t.name[k++] - '0');
     if (k == 4 || k >= t.name.size() || t.name[k] != '.') continue;  // not blk.N.*
-    if (layer >= c.n_layer)
+    if (layer >= c.n_layer + c.n_nextn)
       fail(ErrorKind::InvalidInput, path, ": tensor '", t.name, "' belongs to layer ", layer, " but ",
-           key("block_count"), " = ", c.n_layer, " (valid layers: 0..", c.n_layer - 1, ")");
+           key("block_count"), " = ", c.n_layer + c.n_nextn, " (valid layers: 0..", c.n_layer + c.n_nextn - 1, ")");
   }
   const GgufTensorInfo* emb = f.find_tensor("token_embd.weight");
   if (!emb) fail(ErrorKind::InvalidInput, path, ": tensor token_embd.weight is missing");
@@ -261,6 +266,7 @@ ModelConfig ModelConfig::from_gguf(const GgufFile& f) {
     fail(ErrorKind::InvalidInput, path, ": token_embd.weight has the wrong shape");
   c.n_vocab = emb->ne[1];
   c.tied_output = f.find_tensor("output.weight") == nullptr;
+  if (c.attention == AttentionKind::SharedKvWindow) c.read_shared_kv(f);
   return c;
 }
 

@@ -17,6 +17,11 @@ enum class AttentionKind {
   Gqa,  // grouped-query attention: per KV head a K and a V row per position
   Mla,  // multi-head latent attention: one latent + rope-key row per position, absorbed
   Swa,  // grouped-query attention over a sliding window of the last `sliding_window` positions
+  // Shared-KV attention: one row per position read as both K and V by every head, attention
+  // sinks, a grouped low-rank output projection; every layer reads a sliding window, and
+  SharedKvWindow,      // ... only that
+  SharedKvCompressed,  // ... also every entry of a compressed cache (one per compress_ratio tokens)
+  SharedKvSparse,      // ... also the top entries of a compressed cache a lightning indexer picks
 };
 const char* attention_kind_name(AttentionKind k);
 
@@ -34,6 +39,18 @@ struct ArchTraits {
   bool sliding_window;
 };
 const ArchTraits* find_arch(const std::string& name);
+
+// A rotary embedding: rotated dimensions, base, linear/YaRN scaling (see model/rope.h).
+struct RopeSpec {
+  int dim = 0;
+  float base = 10000.f;
+  float freq_scale = 1.f;  // 1 / scaling factor (linear and YaRN)
+  // YaRN: dimensions below yarn_low rotate as trained, above yarn_high interpolated by
+  // freq_scale, a linear ramp between; cos/sin scaled by mscale.
+  bool yarn = false;
+  float yarn_low = 0.f, yarn_high = 0.f, yarn_ext_factor = 0.f;
+  float mscale = 1.f;
+};
 // Limits of multi-head latent attention: the cached row (latent + rope key) and the heads
 // that read it together (the attention kernel's).
 constexpr int kMaxLatentRow = 1024;
@@ -78,6 +95,23 @@ struct ModelConfig {
   bool qkv_bias = false;     // Q/K/V projections with biases
   bool qk_norm = false;      // RMSNorm over each q/k head
   bool tied_output = false;  // LM head shares token_embd
+  int n_nextn = 0;           // next-token-prediction layers after the n_layer ordinary ones
+
+  // Shared-KV attention (AttentionKind::SharedKv*): per layer the compression ratio of its
+  // compressed cache (0: window only); the compressed branches' rope (own base, the file's YaRN;
+  // the window-only layers use the plain rope at rope_base); the grouped output projection
+  // (o_groups groups of heads, each to o_lora_rank values); the lightning indexer.
+  std::vector<int> compress_ratio;
+  RopeSpec compress_rope;
+  int o_groups = 0, o_lora_rank = 0;
+  int index_heads = 0, index_dim = 0, index_topk = 0;
+  // Hyper-connections: hc_mult residual streams mixed around every block (1: one stream).
+  int hc_mult = 1, hc_sinkhorn_iters = 0;
+  float hc_eps = 0.f;
+  // MoE: the first hash_layers layers route by a token -> experts table; SwiGLU clamped at a
+  // per-layer limit for routed and shared experts (0: none).
+  int hash_layers = 0;
+  std::vector<float> swiglu_limit, swiglu_limit_shexp;
 
   // Mixture of experts (n_expert == 0: dense). Which layers are MoE is decided per layer by
   // the presence of its router tensor (leading dense layers have none).
@@ -91,6 +125,9 @@ struct ModelConfig {
   bool is_moe() const { return n_expert > 0; }
 
   static ModelConfig from_gguf(const GgufFile& f);
+  // The shared-KV attention, hyper-connection and routing keys (model/config_shared_kv.cpp).
+  void read_shared_kv(const GgufFile& f);
+  RopeSpec rope() const;  // the main rope
   std::string summary() const;
 };
 

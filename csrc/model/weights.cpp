@@ -102,17 +102,47 @@ WeightStack WeightLoader::stack(const std::string& name, int64_t k, int64_t rows
 }
 
 const float* WeightLoader::vector(const std::string& name, int64_t n, bool required) {
+  return floats(name, {n}, required);
+}
+
+namespace {
+// The tensor's shape is `shape` (trailing unit dimensions allowed, as ggml treats them alike).
+bool has_shape(const GgufTensorInfo& t, const std::vector<int64_t>& shape) {
+  if (t.ne.size() < shape.size()) return false;
+  for (size_t i = 0; i < t.ne.size(); ++i)
+    if (t.ne[i] != (i < shape.size() ? shape[i] : 1)) return false;
+  return true;
+}
+}  // namespace
+
+const int32_t* WeightLoader::ints(const std::string& name, const std::vector<int64_t>& shape, bool required) {
   const GgufTensorInfo* t = file_->find_tensor(name);
   if (!t) {
     if (required) fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " is missing");
     return nullptr;
   }
-  // A vector may be stored with trailing unit dimensions ([n, 1]), as ggml treats them alike.
-  bool ok = !t->ne.empty() && t->ne[0] == n;
-  for (size_t i = 1; i < t->ne.size(); ++i) ok = ok && t->ne[i] == 1;
-  if (!ok)
+  if (t->type_id != 26 || !has_shape(*t, shape))
+    fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " is ", shape_str(t->ne), " of type ",
+         t->type_id, ", expected I32 ", shape_str(shape));
+  bytes_ += t->nbytes;
+  size_t n = 1;
+  for (int64_t d : shape) n *= size_t(d);
+  owned_ints_.emplace_back(n);
+  read_at(t->data, owned_ints_.back().data(), n * sizeof(int32_t), false);  // a private copy (aligned)
+  return owned_ints_.back().data();
+}
+
+const float* WeightLoader::floats(const std::string& name, const std::vector<int64_t>& shape, bool required) {
+  const GgufTensorInfo* t = file_->find_tensor(name);
+  if (!t) {
+    if (required) fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " is missing");
+    return nullptr;
+  }
+  if (!has_shape(*t, shape))
     fail(ErrorKind::InvalidInput, file_->display_path(), ": tensor ", name, " has shape ", shape_str(t->ne),
-         ", expected [", n, "]");
+         ", expected ", shape_str(shape));
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
   bytes_ += t->nbytes;
   const bool aligned = reinterpret_cast<uintptr_t>(t->data) % alignof(float) == 0;
   if (t->type() == GgmlType::F32 && tp_.size == 1 && aligned) return reinterpret_cast<const float*>(t->data);

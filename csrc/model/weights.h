@@ -47,6 +47,9 @@ class WeightLoader {
   WeightStack stack(const std::string& name, int64_t k, int64_t rows, int64_t n);
   // An [n] vector as floats (converted once when stored otherwise).
   const float* vector(const std::string& name, int64_t n, bool required = true);
+  // A small tensor of this shape (ggml order) as floats, or as int32 (type I32: tables).
+  const float* floats(const std::string& name, const std::vector<int64_t>& shape, bool required = true);
+  const int32_t* ints(const std::string& name, const std::vector<int64_t>& shape, bool required = true);
   // The reference dequantization of a tensor's type (throws naming the tensor when there is none).
   void (*dequantizer(const std::string& name) const)(const void*, float*, int64_t);
   float* owned_floats(size_t n);  // private float storage living as long as the loader
@@ -85,6 +88,7 @@ class WeightLoader {
   const Backend* be_;
   uint64_t bytes_ = 0;
   std::vector<std::vector<float>> owned_floats_;
+  std::vector<std::vector<int32_t>> owned_ints_;
   std::vector<std::unique_ptr<uint8_t[]>> owned_;
 };
 

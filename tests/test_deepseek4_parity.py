@@ -1,0 +1,151 @@
+"""deepseek4 (DeepSeek-V4: hyper-connections, shared-KV attention over a sliding window plus
+compressed entries — all of them, or those a lightning indexer picks —, hash and sqrtsoftplus
+routing, clamped SwiGLU) against Hugging Face transformers on tiny random models.
+
+Models (tests/deepseek4_fixture.py, converted here by `tensorfold convert`):
+* "flash": DeepSeek's own ratios (CSA 4, HCA 128), YaRN on the compressed branches, window 8,
+  the four layers covering window-only / CSA / HCA / CSA and hash / learned routing; its long
+  prompt (300 tokens) closes two HCA windows and 74 CSA windows.
+* "small-hca": the same with HCA every 8 tokens and odd sizes (hidden 80, 5 heads of 48, indexer
+  top-2 of 3 heads), so short prompts reach every branch many times over.
+Checked: logits (F32 cache: 1e-3 of the logit range; F16: 1e-2), greedy continuations (a
+divergence only at a near-tie of the reference), the experts of every layer, chunked prefill and
+several sequences batched against one full forward, and the cache bytes per token.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip("transformers without DeepseekV4ForCausalLM (needs >= 5.24)", allow_module_level=True)
+
+import tensorfold  # noqa: E402
+from tensorfold.convert import convert  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import deepseek4_fixture as v4  # noqa: E402
+
+SMALL_HCA = dict(hidden_size=80, num_attention_heads=5, head_dim=48, partial_rotary_factor=1 / 3, q_lora_rank=56,
+                 o_groups=5, o_lora_rank=24, index_n_heads=3, index_head_dim=40, index_topk=2,
+                 compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                 layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                              "heavily_compressed_attention", "compressed_sparse_attention"],
+                 mlp_layer_types=["hash_moe", "moe", "moe", "moe", "moe"], num_hidden_layers=5,
+                 n_routed_experts=6, num_experts_per_tok=3, moe_intermediate_size=40, sliding_window=6,
+                 rope_parameters=None)
+MODELS = {"flash": ({}, 300), "small-hca": (SMALL_HCA, 90)}
+NEAR_TIE = 1e-3
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request, tmp_path_factory):
+    """(name, transformers model, our F32 GGUF, long prompt)."""
+    name = request.param
+    overrides, n = MODELS[request.param]
+    d = tmp_path_factory.mktemp(name)
+    hf = v4.make_tiny_deepseek4(d / "hf", **overrides)
+    path = d / "model-f32.gguf"
+    convert(str(d / "hf"), str(path), "f32", progress=False)
+    return name, hf, str(path), v4.prompt_ids(n)
+
+
+def _hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def _engine(path, kv_type="f32", **kw):
+    return tensorfold.Engine(path, threads=2, kv_type=kv_type, context=512, **kw)
+
+
+def _assert_close(name, ours, ref, tol):
+    assert ours.shape == ref.shape
+    span = float(ref.max() - ref.min())
+    per_pos = np.abs(ours - ref).max(-1) / span
+    bad = np.nonzero(per_pos > tol)[0]
+    assert not len(bad), f"{name}: max |diff| {per_pos.max():.3g} of the logit range (bound {tol}) at {bad[:10]}"
+
+
+@pytest.mark.parametrize("kv_type,tol", [("f32", 1e-3), ("f16", 1e-2)])
+def test_logits_match_transformers(model, kv_type, tol):
+    name, hf, path, long = model
+    eng = _engine(path, kv_type)
+    for ids in ([0], long[:11], long):
+        _assert_close(f"{name}/{kv_type}/{len(ids)} tokens", eng.logits(ids), _hf_logits(hf, ids), tol)
+
+
+def test_greedy_matches_transformers(model):
+    name, hf, path, long = model
+    ids = long[:40]
+    ours = _engine(path).generate(ids, max_tokens=24, temperature=0, ignore_eos=True).token_ids
+    with torch.no_grad():
+        for i, tok in enumerate(ours):
+            logits = hf(torch.tensor([ids + ours[:i]])).logits[0, -1].float().numpy()
+            if tok == int(logits.argmax()):
+                continue
+            top2 = np.sort(logits)[-2:]
+            margin = float(top2[1] - top2[0]) / float(logits.max() - logits.min())
+            assert margin < NEAR_TIE and logits[tok] >= top2[0], (
+                f"{name}: greedy token {i} is {tok}, transformers' {int(logits.argmax())} (margin {margin:.2e})")
+            return
+
+
+def test_routing_matches_transformers(model):
+    name, hf, path, long = model
+    ids = long[:64]
+    captured = {}
+    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda m, args, i=i: captured.__setitem__(i, args[1].clone()))
+             for i, layer in enumerate(hf.model.layers)]
+    try:
+        _hf_logits(hf, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    ours = _engine(path).routing(ids)
+    k = hf.config.num_experts_per_tok
+    assert len(captured) == hf.config.num_hidden_layers
+    for layer, sel in captured.items():
+        ref = [set(r) for r in sel.reshape(len(ids), k).tolist()]
+        got = [set(r) for r in np.array(ours[layer]).reshape(len(ids), k).tolist()]
+        assert got == ref, f"{name} layer {layer} ({hf.config.mlp_layer_types[layer]}): experts differ"
+
+
+def test_chunked_prefill_and_batching_change_nothing(model):
+    # The compressors' unfinished windows and the indexer's picks live in the cache between
+    # forwards: prefill in chunks of 5 (never aligned with the ratios) must give the logits of one
+    # forward, and so must several sequences decoded side by side.
+    name, hf, path, long = model
+    ids = long[:70]
+    full = _engine(path).logits(ids)
+    chunked = _engine(path, max_batch_tokens=5).logits(ids)
+    np.testing.assert_allclose(chunked, full, rtol=0, atol=1e-4 * float(full.max() - full.min()))
+    eng = _engine(path)
+    prompts = [long[:13], long[20:41], long[50:52]]
+    alone = [eng.generate(p, max_tokens=12, temperature=0, ignore_eos=True).token_ids for p in prompts]
+    together = eng.generate_batch(prompts, max_tokens=12, temperature=0, ignore_eos=True) \
+        if hasattr(eng, "generate_batch") else None
+    if together is not None:
+        assert [r.token_ids for r in together] == alone
+
+
+def test_cache_bytes_per_token(model):
+    # Per token and layer: 1/ratio of a compressed row (512-wide in the real model), plus the
+    # indexer's key every 4 tokens; the window and the compressors' pending rows are per
+    # sequence, not per token.
+    name, hf, path, long = model
+    c = hf.config
+    expected = 0
+    for kind in c.layer_types:
+        if kind == "sliding_attention":
+            continue
+        r = c.compress_rates[kind]
+        expected += (c.head_dim * 2 + r - 1) // r
+        if kind == "compressed_sparse_attention":
+            expected += (c.index_head_dim * 2 + r - 1) // r
+    assert _engine(path, "f16").stats()["kv_bytes_per_token"] == expected
