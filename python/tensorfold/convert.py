@@ -12,6 +12,8 @@ Supported ``architectures[0]`` → ``general.architecture``:
                                       Qwen2MoeForCausalLM → qwen2moe
                                       Qwen3MoeForCausalLM → qwen3moe
     DeepseekV2ForCausalLM → deepseek2 DeepseekV3ForCausalLM → deepseek2
+    DeepseekV4ForCausalLM → deepseek4 (tensorfold.convert_deepseek4: transformers' layouts and
+                                       DeepSeek's FP8/FP4 release with its MTP layers)
 
 Memory stays bounded: the converter first plans every output tensor from the safetensors
 headers alone, writes the GGUF header, key/values and tensor table, then streams the tensor
@@ -76,6 +78,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "DeepseekV2ForCausalLM": "deepseek2",
     "DeepseekV3ForCausalLM": "deepseek2",
+    "DeepseekV4ForCausalLM": "deepseek4",
 }
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -1254,6 +1257,11 @@ def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool 
     if not os.path.isdir(hf_dir):
         raise ConvertError(f"{hf_dir} is not a directory (expected a Hugging Face checkpoint directory)")
     cfg = _read_json(os.path.join(hf_dir, "config.json"), "config.json")
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs and archs[0] == "DeepseekV4ForCausalLM":
+        from .convert_deepseek4 import convert_deepseek4
+
+        return convert_deepseek4(hf_dir, out_path, outtype, cfg, progress=progress, pre=pre)
     p = _params(cfg)
     tok_kv = _tokenizer_kv(hf_dir, p, cfg, pre)
     src = _Source(hf_dir)
