@@ -60,6 +60,9 @@ py::dict memory_plan_dict(const MemoryPlan& p) {
   d["kv_tokens"] = p.kv_tokens;
   d["max_batch_tokens"] = p.max_batch_tokens;
   d["kv_bytes_per_token"] = p.kv_bytes_per_token;
+  uint64_t per_seq = 0;  // window caches sized by sequences
+  for (const KvGroupPlan& g : p.kv_groups) per_seq += g.bytes_per_seq;
+  d["kv_bytes_per_seq"] = per_seq;
   d["weights"] = p.weights;
   d["kv"] = p.kv;
   d["index_bytes_per_block"] = p.index_bytes_per_block;
@@ -82,8 +85,9 @@ void bind_engine(py::module_& m) {
   m.def(
       "plan_memory",
       [](const std::string& path, int64_t context, int64_t kv_tokens, int max_batch_tokens, const std::string& kv_type,
-         int tp_size, int tp_rank, int64_t memory_budget) {
+         int tp_size, int tp_rank, int64_t memory_budget, int max_seqs) {
         EngineOptions o;
+        o.max_seqs = max_seqs;
         o.context = context;
         o.kv_tokens = kv_tokens;
         o.max_batch_tokens = max_batch_tokens;
@@ -102,6 +106,7 @@ void bind_engine(py::module_& m) {
       },
       py::arg("path"), py::arg("context") = 0, py::arg("kv_tokens") = 0, py::arg("max_batch_tokens") = 512,
       py::arg("kv_type") = "f16", py::arg("tp") = 1, py::arg("rank") = 0, py::arg("memory_budget") = 0,
+      py::arg("max_seqs") = 32,
       "The memory plan an engine with these options would have on this rank (nothing allocated).");
 
   py::class_<Engine>(m, "Engine")
@@ -110,8 +115,9 @@ void bind_engine(py::module_& m) {
                        const std::string& tp_addr, const std::vector<std::string>& tp_rails,
                        double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg,
                        int64_t memory_budget, const std::string& tp_transport, double tp_wait,
-                       double tp_load_timeout, bool prefix_cache, const std::string& backend) {
+                       double tp_load_timeout, bool prefix_cache, const std::string& backend, int max_seqs) {
              EngineOptions o;
+             o.max_seqs = max_seqs;
              o.backend = backend;
              o.memory_budget = memory_budget;
              o.prefix_cache = prefix_cache;
@@ -141,6 +147,7 @@ void bind_engine(py::module_& m) {
            py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false, py::arg("tp_token") = py::none(),
            py::arg("memory_budget") = 0, py::arg("tp_transport") = "tcp", py::arg("tp_wait") = 0.0,
            py::arg("tp_load_timeout") = 3600.0, py::arg("prefix_cache") = true, py::arg("backend") = "cpu",
+           py::arg("max_seqs") = 32,
            "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none); memory_budget: "
            "bytes this rank may use (0: the memory available now; < 0: no budget); prefix_cache: reuse the KV "
            "blocks of earlier identical prompt prefixes; backend: where the forward runs ('cpu', 'cpu:avx2', "
@@ -150,8 +157,9 @@ void bind_engine(py::module_& m) {
       .def_static(
           "_tp_identity",
           [](const std::string& path, int tp_size, int64_t context, int64_t kv_tokens, int max_batch_tokens,
-             const std::string& kv_type) {
+             const std::string& kv_type, int max_seqs) {
             EngineOptions o;
+            o.max_seqs = max_seqs;
             o.tp.size = tp_size;
             o.context = context;
             o.kv_tokens = kv_tokens;
@@ -161,7 +169,7 @@ void bind_engine(py::module_& m) {
             return Engine::tp_identity(*GgufFile::open(path), o);
           },
           py::arg("path"), py::arg("tp_size") = 2, py::arg("context") = 0, py::arg("kv_tokens") = 0,
-          py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16",
+          py::arg("max_batch_tokens") = 512, py::arg("kv_type") = "f16", py::arg("max_seqs") = 32,
           "The configuration string TP ranks compare at connect (public, like the file; tests use it)")
       .def("follow",
            [](Engine& e) {

@@ -32,7 +32,7 @@ std::string Engine::tp_identity(const GgufFile& f, const EngineOptions& o) {
   std::ostringstream os;
   os << "tensorfold-tp-v2 model_bytes=" << f.file_size() << " header_hash=" << std::hex << h << std::dec
      << " tp=" << o.tp.size << " context=" << g.context << " kv_tokens=" << g.kv_tokens
-     << " max_batch_tokens=" << g.max_batch_tokens << " kv_type=" << (o.kv_type == KvType::F32 ? "f32" : "f16");
+     << " max_batch_tokens=" << g.max_batch_tokens << " max_seqs=" << o.max_seqs << " kv_type=" << (o.kv_type == KvType::F32 ? "f32" : "f16");
   return os.str();
 }
 

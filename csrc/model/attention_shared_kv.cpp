@@ -7,6 +7,11 @@
 // previous window's tokens), normed and rotated at the window's first position. Ratio 4 layers
 // read only the entries a lightning indexer ranks highest for each query; others read them all.
 //
+// TP=2: each rank holds half of the output groups with their query heads (q_b rows, sinks,
+// o_a matrices, o_b columns: a partial sum); the shared row, the compressors and the indexer
+// are computed on both ranks alike (small, and every head reads them), so both keep every
+// cache stream whole.
+//
 // Cache streams (kv_specs): the window rows; the compressor's per-token projections (a window of
 // the last one or two compression windows: the state of the unfinished window); the compressed
 // entries; the indexer's compressed keys. Chunked prefill, batching, truncation and the prefix
@@ -15,6 +20,7 @@
 
 #include "core/error.h"
 #include "model/block.h"
+#include "model/linear.h"
 #include "model/rope.h"
 
 namespace tf {
@@ -70,10 +76,12 @@ class SharedKvAttention final : public AttentionBlock {
   WeightStack wo_a_;  // o_groups matrices of o_lora_rank rows
   Compressor comp_, index_comp_;
   int64_t state_dim_ = 0;
+  int64_t heads_ = 0, groups_ = 0;  // this rank's
+  int64_t o_split_ = -1;            // TP=1 compatible: where o_b's sum splits
   // scratch
   float *xn_ = nullptr, *qa_ = nullptr, *q_ = nullptr, *kv_ = nullptr, *attn_ = nullptr, *og_ = nullptr,
         *state_ = nullptr, *pooled_ = nullptr, *cs_ = nullptr, *ent_cs_ = nullptr, *iq_ = nullptr, *iw_ = nullptr,
-        *iws_ = nullptr, *iscale_ = nullptr;
+        *iws_ = nullptr, *iscale_ = nullptr, *part_ = nullptr;
   int32_t *ent_seq_ = nullptr, *idx_ = nullptr;
   int64_t* count_ = nullptr;
   void** rows_ = nullptr;
@@ -114,6 +122,8 @@ SharedKvAttention::SharedKvAttention(const BlockContext& c, AttentionKind kind)
     wi_q_ = w.weight(p + "indexer.attn_q_b.weight", QL, HI * DI);
     wi_w_ = w.weight(p + "indexer.proj.weight", E, HI);
   }
+  heads_ = H;
+  groups_ = G;
 }
 
 std::vector<KvSpec> SharedKvAttention::kv_specs() const {
@@ -136,14 +146,40 @@ std::vector<KvSpec> SharedKvAttention::kv_specs() const {
 }
 
 void SharedKvAttention::prepare(WeightLoader& w) {
-  if (w.tp().size > 1)
-    fail(ErrorKind::Unsupported, w.file().display_path(), ": tensor parallel for shared-KV attention is not built yet; "
-         "use TP=1 for this model");
+  const int64_t G = cfg_.o_groups, OL = cfg_.o_lora_rank, HG = cfg_.n_head / G, D = cfg_.head_dim;
+  const TpShard& tp = w.tp();
+  const bool even = G % 2 == 0 && (G / 2 * OL) % WeightLoader::block_size(wo_b_) == 0;
+  if (tp.size == 1) {
+    o_split_ = tp.tp_compatible && even ? G / 2 * OL : -1;
+    return;
+  }
+  if (!even)
+    fail(ErrorKind::Unsupported, w.file().display_path(), ": cannot split the ", G, " output groups of layer ", layer_,
+         " across 2 ranks on the block boundaries of ", prefix_, "attn_output_b.weight; use TP=1 for this model");
+  const int64_t g0 = tp.rank == 0 ? 0 : G / 2, g1 = tp.rank == 0 ? G / 2 : G;
+  groups_ = g1 - g0;
+  heads_ = groups_ * HG;
+  wq_a_ = w.keep(wq_a_);
+  wkv_ = w.keep(wkv_);
+  wq_b_ = w.slice_rows(wq_b_, g0 * HG * D, g1 * HG * D);
+  sinks_ += g0 * HG;  // a private copy under TP: this rank's part is a range of it
+  wo_a_ = w.slice_stack(wo_a_, g0, g1);
+  wo_b_ = w.slice_cols(wo_b_, g0 * OL, g1 * OL);
+  for (Compressor* c : {&comp_, &index_comp_}) {
+    if (c->wkv.rows == 0) continue;
+    c->wkv = w.keep(c->wkv);
+    c->wgate = w.keep(c->wgate);
+  }
+  if (sparse_) {
+    wi_q_ = w.keep(wi_q_);
+    wi_w_ = w.keep(wi_w_);
+  }
+  o_split_ = -1;
 }
 
 void SharedKvAttention::plan_scratch(Scratch& s, int64_t T) {
-  const int64_t E = cfg_.n_embd, H = cfg_.n_head, D = cfg_.head_dim, QL = cfg_.q_lora_rank, rd = cfg_.rope_dim;
-  const int64_t G = cfg_.o_groups, OL = cfg_.o_lora_rank;
+  const int64_t E = cfg_.n_embd, H = heads_, D = cfg_.head_dim, QL = cfg_.q_lora_rank, rd = cfg_.rope_dim;
+  const int64_t G = groups_, OL = cfg_.o_lora_rank;
   xn_ = s.f32("xn", T * E);
   qa_ = s.f32("attn.q_a", T * QL);
   q_ = s.f32("attn.q", T * H * D);
@@ -152,6 +188,7 @@ void SharedKvAttention::plan_scratch(Scratch& s, int64_t T) {
   og_ = s.f32("attn.o_groups", T * G * OL);
   cs_ = s.f32("attn.rope", T * rd);
   rows_ = s.ptrs("attn.rows", T * 2 * std::max<int64_t>(1, ratio_));
+  part_ = o_split_ > 0 ? s.f32("part", T * E) : nullptr;
   for (const Weight* w : {&wq_a_, &wq_b_, &wkv_, &wo_b_}) s.product(*w, T);
   s.product(wo_a_, T);
   if (ratio_ > 0) {
@@ -224,8 +261,8 @@ void SharedKvAttention::compress(StepContext& ctx, const Compressor& comp, int e
 
 void SharedKvAttention::forward(StepContext& ctx, const float* x, float* out) {
   Backend& be = ctx.be;
-  const int64_t T = ctx.T, E = cfg_.n_embd, H = cfg_.n_head, D = cfg_.head_dim, QL = cfg_.q_lora_rank;
-  const int64_t G = cfg_.o_groups, OL = cfg_.o_lora_rank, rd = cfg_.rope_dim, QD = H * D;
+  const int64_t T = ctx.T, E = cfg_.n_embd, H = heads_, D = cfg_.head_dim, QL = cfg_.q_lora_rank;
+  const int64_t G = groups_, OL = cfg_.o_lora_rank, rd = cfg_.rope_dim, QD = H * D;
   be.rmsnorm(x, E, norm_, xn_, E, T, E, cfg_.rms_eps);
   if (ctx.calibrating) stats_->record(st_in_, xn_, T, E);
   // Every projection of the normed input in one pass; the compressors' into the state rows.
@@ -316,8 +353,7 @@ void SharedKvAttention::forward(StepContext& ctx, const float* x, float* out) {
   const StackProduct oa{&wo_a_, og_, G * OL};
   be.matmul_stack(attn_, QD, g, &oa, 1);
   if (ctx.calibrating) stats_->record(st_ob_, og_, T, G * OL);
-  const Product ob{&wo_b_, out, E};
-  be.matmul(og_, T, G * OL, &ob, 1);
+  split_matmul(be, wo_b_, og_, T, G * OL, o_split_, out, part_);
 }
 
 }  // namespace

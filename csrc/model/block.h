@@ -88,6 +88,8 @@ class ResidualPolicy {
  public:
   virtual ~ResidualPolicy() = default;
   virtual void plan_scratch(Scratch& s, int64_t T) = 0;
+  // After loading (as Block::prepare): under TP=2, the weights it keeps read privately.
+  virtual void prepare(WeightLoader&) {}
   // The streams start from the token embeddings ([T][n_embd]).
   virtual void begin(StepContext& ctx, const float* emb) = 0;
   virtual void layer(StepContext& ctx, AttentionBlock& attn, FfnBlock& ffn) = 0;

@@ -48,6 +48,7 @@ Model::Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp)
     L.attn->set_kv_base(kv_base);
     kv_base += int(L.attn->kv_specs().size());
   }
+  residual_->prepare(loader_);
   reset_expert_usage();
 }
 

@@ -39,6 +39,13 @@ class HyperStreams final : public ResidualPolicy {
     head_ = load("output_hc", n_, 1);
   }
 
+  void prepare(WeightLoader& w) override {
+    if (w.tp().size == 1) return;
+    for (std::vector<HyperMap>* v : {&attn_, &ffn_})
+      for (HyperMap& m : *v) m.fn = w.keep(m.fn);
+    head_.fn = w.keep(head_.fn);
+  }
+
   void plan_scratch(Scratch& s, int64_t T) override {
     const int64_t E = cfg_.n_embd, NE = n_ * E;
     streams_ = s.f32("hyper.streams", T * NE);

@@ -542,7 +542,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     for r in ranks:
         p = _core.plan_memory(path, context=a.context or 0, kv_tokens=a.kv_tokens or 0,
                               max_batch_tokens=a.max_batch_tokens, kv_type=a.kv_type, tp=a.tp, rank=r,
-                              memory_budget=parse_memory_budget(a.memory_budget))
+                              memory_budget=parse_memory_budget(a.memory_budget), max_seqs=a.max_seqs)
         print(cli_names(p["table"], "plan"), end="")
         plans.append(p)
     fits = all(p["fits"] for p in plans)
@@ -566,9 +566,16 @@ def cmd_plan(a: argparse.Namespace) -> int:
     warn = context_warning(p["context"], p.get("n_ctx_train", 0), os.path.basename(path))
     if warn:
         print(f"tensorfold: warning: {warn}", file=sys.stderr)
-    print(f"context {_n(p['context'], 'token')} per sequence; KV {_n(p['kv_bytes_per_token'], 'byte')} per token "
-          f"({a.kv_type}); `tensorfold chat/serve` with these options "
+    per_seq = (f" + {_n(p['kv_bytes_per_seq'], 'byte')} per sequence (windows, sized for --max-seqs "
+               f"{a.max_seqs})" if p.get("kv_bytes_per_seq") else "")
+    print(f"context {_n(p['context'], 'token')} per sequence; KV {_n(p['kv_bytes_per_token'], 'byte')} per token"
+          f"{per_seq} ({a.kv_type}); `tensorfold chat/serve` with these options "
           + ("starts" if fits else "is refused before loading"))
+    if p["budget"] and p["max_kv_tokens"]:
+        n = min(p["max_kv_tokens"] // p["context"], a.max_seqs) if p.get("kv_bytes_per_seq") else \
+            p["max_kv_tokens"] // p["context"]
+        print(f"sequences of the full context ({_n(p['context'], 'token')}) that fit beside the weights: {n}"
+              + (f" (at most --max-seqs {a.max_seqs})" if p.get("kv_bytes_per_seq") else ""))
     return 0 if fits else 1
 
 
@@ -830,6 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV cache pool size in tokens (default: max(context, 4096))")
     pn.add_argument("--max-batch-tokens", type=_int_in(1), default=512, help="tokens per step (default 512)")
     pn.add_argument("--kv-type", default="f16", choices=("f16", "f32"), help="KV cache element type")
+    pn.add_argument("--max-seqs", type=_int_in(1, 1 << 16), default=32,
+                    help="sequences at once the sliding-window caches are sized for (default 32)")
     pn.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
                     help="e.g. 120GiB (default: the memory available now; 'none': no budget)")
     pn.set_defaults(func=cmd_plan)

@@ -253,7 +253,8 @@ class Engine:
                  tp: int = 1, rank: int = 0, peer: str | None = None, rails: Sequence[str] | None = None,
                  timeout: float = 30.0, tp_compatible: bool = False, token: str | None = None,
                  memory_budget: int | str | None = None, transport: str = "tcp", wait: float = 0.0,
-                 load_timeout: float = 3600.0, prefix_cache: bool = True, backend: str = "cpu"):
+                 load_timeout: float = 3600.0, prefix_cache: bool = True, backend: str = "cpu",
+                 max_seqs: int = 32):
         self._core = None
         self._following = False
         self._closed = False
@@ -267,6 +268,7 @@ class Engine:
             if v is not None:
                 _int_in(name, v, lo, hi, note=" (None: automatic)")
         _int_in("max_batch_tokens", max_batch_tokens, 1)
+        _int_in("max_seqs", max_seqs, 1, 1 << 16)
         if not isinstance(kv_type, str):
             raise ArgumentTypeError(f"kv_type must be 'f16' or 'f32', not {type(kv_type).__name__}")
         if kv_type not in ("f16", "f32"):
@@ -303,7 +305,7 @@ class Engine:
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
                                   kv_type, tp, rank, peer or "", list(rails or []), float(timeout),
                                   bool(tp_compatible), token, budget, transport, float(wait),
-                                  float(load_timeout), bool(prefix_cache), backend)
+                                  float(load_timeout), bool(prefix_cache), backend, max_seqs=max_seqs)
         self._config = dict(self._core.config)
         self._context = self._core.context
         self._threads = self._core.threads
