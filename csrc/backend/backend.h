@@ -74,6 +74,10 @@ struct Grouping {
   int64_t first = 0, last = 0;       // the matrices to run
 };
 
+// The cache pages an attention batch reads: the layer's pool and its index in the pool.
+class KvPool;
+struct KvLayer;
+
 // Attention of a batch of query tokens over one layer's paged cache. Token t has its query
 // heads at q + t * q_stride (the heads of cache head g consecutive: `group` per cache head,
 // head_dim values each) and reads the cache entries [begin, end[t]) of sequence seq[t] (its
@@ -130,10 +134,6 @@ struct HyperMaps {
   float* post = nullptr;   // [T][n]
   float* comb = nullptr;   // [T][n * n]
 };
-
-// The cache pages an attention batch reads: the layer's pool and its index in the pool.
-class KvPool;
-struct KvLayer;
 
 // MoE routing results: per token, n_used expert ids (best first) and weights; grouped by expert
 // for the products (counting sort, token order kept within an expert).
