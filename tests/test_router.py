@@ -1,6 +1,7 @@
 """MoE expert routing (_core.moe_route) against Hugging Face transformers' own MoE blocks.
 
-Each HF MoE block (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3) is built from a
+Each HF MoE block (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3; DeepSeek-V4's two
+routers, learned and hash, are run on their own) is built from a
 small random config and run on random hidden states; a forward hook on the block's router
 submodule (`block.gate`) captures the router logits, combine weights and expert ids the block
 actually used. The same logits go through _core.moe_route: expert sets must be identical per
@@ -87,9 +88,15 @@ def _compare(hf_ids, hf_w, ids, w, ordered):
     )
 
 
+def _sqrt_softplus(x):
+    x = x.astype(np.float64)
+    return np.sqrt(np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x))))
+
+
 def _check_best_first(ids, logits, bias=None, gating="softmax"):
     """Our ids come best first by selection score."""
-    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) if gating == "sigmoid" else logits.astype(np.float64)
+    s = {"sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "sqrtsoftplus": _sqrt_softplus}.get(
+        gating, lambda x: x)(logits.astype(np.float64))
     if gating == "softmax" and bias is not None:
         e = np.exp(s - s.max(1, keepdims=True))
         s = e / e.sum(1, keepdims=True)
@@ -196,13 +203,51 @@ def test_deepseek_v2_matches_hf(method, n_expert, n_group, topk_group, k, scale,
         _check_best_first(ids, logits)
 
 
+# --- DeepSeek-V4: sqrtsoftplus scores, selection bias, renormalised; hash routing by token id ----
+
+@pytest.mark.parametrize("n_expert,k", [(8, 2), (16, 6), (33, 4)])
+@pytest.mark.parametrize("scale", [1.0, 1.5])
+@pytest.mark.parametrize("T", T_SIZES)
+def test_deepseek_v4_matches_hf(n_expert, k, scale, T):
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
+
+    cfg = DeepseekV4Config(hidden_size=HIDDEN, num_local_experts=n_expert, num_experts_per_tok=k,
+                           routed_scaling_factor=scale, num_hidden_layers=2, vocab_size=50)
+    g = torch.Generator().manual_seed(n_expert * 10 + k + T)
+    hidden = torch.randn(1, T, HIDDEN, generator=g)
+    learned, hashed = DeepseekV4TopKRouter(cfg), DeepseekV4HashRouter(cfg)
+    bias = torch.rand(n_expert, generator=g) * 0.6 - 0.3
+    tid2eid = torch.stack([torch.randperm(n_expert, generator=g)[:k] for _ in range(50)])
+    input_ids = torch.randint(0, 50, (1, T), generator=g)
+    with torch.no_grad():
+        for router in (learned, hashed):
+            router.weight.copy_(torch.randn(router.weight.shape, generator=g) / np.sqrt(HIDDEN))
+        learned.e_score_correction_bias.copy_(bias)
+        hashed.tid2eid.copy_(tid2eid)
+        logits, hf_w, hf_ids = learned(hidden)
+        h_logits, h_w, h_ids = hashed(hidden, input_ids)
+    logits = np.ascontiguousarray(logits.numpy(), dtype=np.float32)
+    fixed = np.ascontiguousarray(h_ids.numpy(), dtype=np.int32)
+    for reference in (False, True):
+        # HF's top-k is unsorted: compared as sets
+        ids, w = _core.moe_route(logits, k, "sqrtsoftplus", norm_topk=True, scale=scale, bias=bias.numpy(),
+                                 reference=reference)
+        _compare(hf_ids.numpy().astype(np.int64), hf_w.numpy(), ids, w, ordered=False)
+        _check_best_first(ids, logits, bias.numpy(), "sqrtsoftplus")
+        # hash routing: the table's ids in its order, weights from the scores at them
+        ids, w = _core.moe_route(np.ascontiguousarray(h_logits.numpy()), k, "sqrtsoftplus", norm_topk=True,
+                                 scale=scale, reference=reference, fixed=fixed)
+        _compare(h_ids.numpy().astype(np.int64), h_w.numpy(), ids, w, ordered=True)
+
+
 # --- fast path vs double-precision reference --------------------------------------------------
 
-def _random_cases():
+def _random_cases(gatings=("softmax", "sigmoid")):
     cases = []
     for n_expert, n_group in [(1, 1), (2, 1), (5, 1), (7, 1), (16, 4), (16, 16), (24, 8), (33, 3), (64, 8), (160, 1)]:
         per = n_expert // n_group
-        for gating, norm, with_bias in itertools.product(["softmax", "sigmoid"], [False, True], [False, True]):
+        for gating, norm, with_bias in itertools.product(gatings, [False, True], [False, True]):
             for n_group_used in sorted({1, max(1, n_group // 2), n_group}):
                 for k in sorted({1, min(2, n_group_used * per), n_group_used * per}):
                     cases.append((n_expert, n_group, n_group_used, k, gating, norm, with_bias))
@@ -210,9 +255,10 @@ def _random_cases():
 
 
 @pytest.mark.parametrize("T", T_SIZES)
-def test_fast_matches_reference(T):
-    rng = np.random.default_rng(T)
-    for i, (n_expert, n_group, n_group_used, k, gating, norm, with_bias) in enumerate(_random_cases()):
+@pytest.mark.parametrize("gatings", [("softmax", "sigmoid"), ("sqrtsoftplus",)])
+def test_fast_matches_reference(T, gatings):
+    rng = np.random.default_rng(T if "softmax" in gatings else T + 1000)
+    for i, (n_expert, n_group, n_group_used, k, gating, norm, with_bias) in enumerate(_random_cases(gatings)):
         # Sigmoid logits stay moderate: float32 sigmoid saturates to exactly 1.0 near |x| > 17, and
         # saturated group sums then tie in float (lower group wins) but not in double.
         spread = rng.choice([0.5, 2.0, 8.0] if gating == "softmax" else [0.5, 2.0, 4.0])
@@ -223,12 +269,50 @@ def test_fast_matches_reference(T):
         ids_f, w_f = _core.moe_route(logits, k, **kw)
         ids_r, w_r = _core.moe_route(logits, k, reference=True, **kw)
         assert ids_f.dtype == np.int32 and w_f.dtype == np.float32 and ids_f.shape == (T, k)
+        if gating == "sqrtsoftplus" and with_bias:
+            # score + bias is formed in float by the fast path (as HF does), in double by the
+            # reference: two keys within float rounding of each other may come in either order.
+            # Then the keys at each place agree to rounding, and the rows (same experts) are
+            # compared by expert id.
+            key = _sqrt_softplus(logits) + bias
+            kf, kr = (np.take_along_axis(key, x.astype(np.int64), 1) for x in (ids_f, ids_r))
+            np.testing.assert_allclose(kf, kr, rtol=4 * 2.0 ** -24, err_msg=f"case {i}: {kw}, k={k}")
+            of, orf = np.argsort(ids_f, 1), np.argsort(ids_r, 1)
+            ids_f, w_f = np.take_along_axis(ids_f, of, 1), np.take_along_axis(w_f, of, 1)
+            ids_r, w_r = np.take_along_axis(ids_r, orf, 1), np.take_along_axis(w_r, orf, 1)
         np.testing.assert_array_equal(ids_f, ids_r, err_msg=f"case {i}: {kw}, k={k}")
         np.testing.assert_allclose(w_f, w_r, rtol=1e-6, atol=1e-7 * scale, err_msg=f"case {i}: {kw}, k={k}")
         assert np.all((ids_f >= 0) & (ids_f < n_expert))
         assert all(len(set(row)) == k for row in ids_f.tolist())
         if norm:
             np.testing.assert_allclose(w_f.sum(1), scale, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", T_SIZES)
+def test_fixed_ids_match_reference(T):
+    """Hash routing (ids fixed by a table) in every gating, fast path against the reference."""
+    rng = np.random.default_rng(100 + T)
+    for gating, norm, n_expert, k in itertools.product(["softmax", "sigmoid", "sqrtsoftplus"], [False, True],
+                                                       [1, 7, 64], [1, 3]):
+        k = min(k, n_expert)
+        logits = (rng.standard_normal((T, n_expert)) * 3).astype(np.float32)
+        fixed = np.stack([rng.permutation(n_expert)[:k] for _ in range(T)]).astype(np.int32)
+        kw = dict(gating=gating, norm_topk=norm, scale=2.5, fixed=fixed,
+                  bias=rng.uniform(-1, 1, n_expert).astype(np.float32))  # the bias plays no part
+        ids_f, w_f = _core.moe_route(logits, k, **kw)
+        ids_r, w_r = _core.moe_route(logits, k, reference=True, **kw)
+        np.testing.assert_array_equal(ids_f, fixed)
+        np.testing.assert_array_equal(ids_r, fixed)
+        np.testing.assert_allclose(w_f, w_r, rtol=1e-6, atol=1e-7 * 2.5)
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_fixed_ids_out_of_range_raise(reference):
+    logits = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError):
+        _core.moe_route(logits, 2, reference=reference, fixed=np.array([[0, 8], [1, 2]], np.int32))
+    with pytest.raises(ValueError):
+        _core.moe_route(logits, 2, reference=reference, fixed=np.array([[0, 1]], np.int32))  # one row for 2 tokens
 
 
 @pytest.mark.parametrize("reference", [False, True])

@@ -36,6 +36,29 @@ carray<float> rows2(const carray<float>& a, const char* what) {
   if (a.ndim() != 2) throw py::value_error(std::string(what) + " must be 2-D");
   return a;
 }
+
+int n_layers(const KvCache& kv) {
+  int n = 0;
+  for (int g = 0; g < kv.n_groups(); ++g) n += int(kv.group_layers(g).size());
+  return n;
+}
+
+KvLayer layer_of(const KvCache& kv, int layer) {
+  TF_CHECK(layer >= 0 && layer < n_layers(kv), "layer ", layer, " out of range");
+  return kv.layer(layer);
+}
+
+// Whether the sequence's table in this layer's group holds entry e (a block, not a hole).
+bool holds(const KvLayer& l, int seq, int64_t e) {
+  const auto& table = l.pool->block_table(seq);
+  const int64_t b = e / l.pool->block_size();
+  return e >= 0 && b < int64_t(table.size()) && table[size_t(b)] >= 0;
+}
+
+KvType kv_type_of(const std::string& t) {
+  TF_CHECK(t == "f16" || t == "f32", "kv_type must be 'f16' or 'f32'");
+  return t == "f32" ? KvType::F32 : KvType::F16;
+}
 }  // namespace
 
 void bind_backend(py::module_& m) {
@@ -137,16 +160,17 @@ void bind_backend(py::module_& m) {
            py::arg("v"), py::arg("n_heads"), py::arg("head_dim"), py::arg("at"), py::arg("cs"), py::arg("rope_dim"),
            py::arg("neox"), py::arg("inverse") = false)
       .def("silu_mul",
-           [](Backend& b, carray<float> g, carray<float> u, int64_t split) {
+           [](Backend& b, carray<float> g, carray<float> u, int64_t split, float limit) {
              rows2(g, "g");
              TF_CHECK(u.ndim() == 2 && u.shape(0) == g.shape(0) && u.shape(1) == g.shape(1), "u must match g");
              const int64_t T = g.shape(0), n = g.shape(1);
              py::array_t<float> out({T, n});
              std::copy(g.data(), g.data() + g.size(), out.mutable_data());
-             b.silu_mul(out.mutable_data(), n, u.data(), n, T, n, split);
+             b.silu_mul(out.mutable_data(), n, u.data(), n, T, n, split, limit);
              return out;
            },
-           py::arg("g"), py::arg("u"), py::arg("split") = 0)
+           py::arg("g"), py::arg("u"), py::arg("split") = 0, py::arg("limit") = 0.0f,
+           "silu(g) * u; limit > 0: g = min(g, limit), u = clamp(u, -limit, limit) first")
       .def("add_scaled",
            [](Backend& b, carray<float> y, carray<float> x, carray<float> s, bool sigmoid) {
              rows2(y, "y");
@@ -182,7 +206,7 @@ void bind_backend(py::module_& m) {
            py::arg("type_id"), py::arg("table"), py::arg("rows"), py::arg("k"), py::arg("tokens"))
       .def("route",
            [](Backend& b, carray<float> logits, int n_used, int gating, bool norm_topk, float scale,
-              py::object bias_obj, int n_group, int n_group_used) {
+              py::object bias_obj, int n_group, int n_group_used, py::object fixed_obj) {
              rows2(logits, "logits");
              const int64_t T = logits.shape(0);
              moe::RouterConfig rc;
@@ -200,17 +224,27 @@ void bind_backend(py::module_& m) {
                rc.selection_bias = bias.data();
              }
              moe::validate(rc);
+             carray<int32_t> fixed;
+             if (!fixed_obj.is_none()) {
+               fixed = fixed_obj.cast<carray<int32_t>>();
+               TF_CHECK(fixed.ndim() == 2 && fixed.shape(0) == T && fixed.shape(1) == n_used,
+                        "fixed must be [T, n_used] expert ids");
+               for (int64_t i = 0; i < fixed.size(); ++i)
+                 TF_CHECK(fixed.data()[i] >= 0 && fixed.data()[i] < rc.n_expert, "fixed expert id out of range");
+             }
              py::array_t<int32_t> ids({T, int64_t(n_used)}), offsets(rc.n_expert + 1), rows(T * n_used),
                  slot(T * n_used);
              py::array_t<float> w({T, int64_t(n_used)});
              Routing r{ids.mutable_data(), w.mutable_data(), offsets.mutable_data(), rows.mutable_data(),
                        slot.mutable_data()};
-             b.route(rc, logits.data(), T, r);
+             b.route(rc, logits.data(), T, r, fixed_obj.is_none() ? nullptr : fixed.data());
              return py::make_tuple(ids, w, offsets, rows, slot);
            },
            py::arg("logits"), py::arg("n_used"), py::arg("gating") = 1, py::arg("norm_topk") = false,
            py::arg("scale") = 1.0f, py::arg("bias") = py::none(), py::arg("n_group") = 1, py::arg("n_group_used") = 1,
-           "(ids, weights, offsets, rows, slot_of): routing and the grouping by expert")
+           py::arg("fixed") = py::none(),
+           "(ids, weights, offsets, rows, slot_of): routing and the grouping by expert (gating 1 softmax, 2 sigmoid, "
+           "4 sqrtsoftplus; fixed: [T, n_used] ids chosen by a table, hash routing)")
       .def("combine",
            [](Backend& b, carray<float> expert_out, carray<int32_t> ids, carray<float> w, carray<int32_t> slot_of,
               int lo, int hi) {
@@ -287,7 +321,212 @@ void bind_backend(py::module_& m) {
            },
            py::arg("q"), py::arg("k"), py::arg("v"), py::arg("v_dim") = 0, py::arg("ends"), py::arg("window") = 0,
            py::arg("scale") = 1.0f, py::arg("kv_type") = "f16",
-           "softmax(q . K * scale) . V over a paged cache (v None: V is the first v_dim values of each K row)");
+           "softmax(q . K * scale) . V over a paged cache (v None: V is the first v_dim values of each K row)")
+      .def("attention_kv",
+           [](Backend& b, KvCache& kv, int layer, carray<float> q, carray<int32_t> seqs, carray<int64_t> ends,
+              int64_t window, float scale, int64_t v_dim, py::object sinks_obj, py::object extra_obj,
+              py::object count_obj, py::object list_obj) {
+             // The batch reads the rows a test wrote into the cache (KvCache.write_k / write_v):
+             // token t of sequence seqs[t] reads layer `layer`'s entries before ends[t] (the last
+             // `window` of them with a window) and, with extra_layer, that layer's entries
+             // [0, extra_count[t]) or extra_list[t] (-1: none).
+             if (q.ndim() != 3) throw py::value_error("q must be [T, Hq, D]");
+             const int64_t T = q.shape(0), HQ = q.shape(1), D = q.shape(2);
+             const KvLayer l = layer_of(kv, layer);
+             const KvSpec& spec = l.pool->spec();
+             const int64_t HK = spec.n_heads;
+             TF_CHECK(spec.k_dim == D && HQ % HK == 0, "q must be [T, a multiple of ", HK, " heads, ", spec.k_dim, "]");
+             if (v_dim == 0) v_dim = spec.v_dim > 0 ? spec.v_dim : D;
+             TF_CHECK(v_dim >= 1 && v_dim <= (spec.v_dim > 0 ? spec.v_dim : D), "v_dim out of range");
+             TF_CHECK(seqs.size() == T && ends.size() == T && window >= 0, "seqs and ends must hold T entries");
+             for (int64_t t = 0; t < T; ++t) {
+               const int64_t e = ends.data()[t], begin = window > 0 ? std::max<int64_t>(0, e - window) : 0;
+               TF_CHECK(seqs.data()[t] >= 0 && seqs.data()[t] < kv.max_seqs() && e >= 1 && holds(l, seqs.data()[t], e - 1) &&
+                            holds(l, seqs.data()[t], begin),
+                        "token ", t, ": its entries are not in the cache");
+             }
+             AttentionBatch a;
+             carray<float> sinks;
+             if (!sinks_obj.is_none()) {
+               sinks = sinks_obj.cast<carray<float>>();
+               TF_CHECK(sinks.size() == HQ, "sinks must hold a logit per query head");
+               a.sinks = sinks.data();
+             }
+             KvLayer extra;
+             carray<int64_t> count;
+             carray<int32_t> list;
+             if (!extra_obj.is_none()) {
+               extra = layer_of(kv, extra_obj.cast<int>());
+               const KvSpec& es = extra.pool->spec();
+               TF_CHECK(es.n_heads == 1 && es.k_dim == D && (es.v_dim == 0 ? v_dim <= D : v_dim <= es.v_dim),
+                        "the extra layer must hold one head of the same rows");
+               TF_CHECK(count_obj.is_none() != list_obj.is_none(), "extra entries: give extra_count or extra_list");
+               if (!count_obj.is_none()) {
+                 count = count_obj.cast<carray<int64_t>>();
+                 TF_CHECK(count.size() == T, "extra_count must hold T entries");
+                 for (int64_t t = 0; t < T; ++t)
+                   TF_CHECK(count.data()[t] >= 0 && (count.data()[t] == 0 || holds(extra, seqs.data()[t], count.data()[t] - 1)),
+                            "extra_count[", t, "] reaches past the cache");
+                 a.extra_count = count.data();
+               } else {
+                 list = list_obj.cast<carray<int32_t>>();
+                 TF_CHECK(list.ndim() == 2 && list.shape(0) == T, "extra_list must be [T, n]");
+                 for (int64_t t = 0; t < T; ++t)
+                   for (int64_t i = 0; i < list.shape(1); ++i) {
+                     const int32_t e = list.data()[t * list.shape(1) + i];
+                     TF_CHECK(e == -1 || holds(extra, seqs.data()[t], e), "extra_list[", t, ", ", i, "] is not in the cache");
+                   }
+                 a.extra_list = list.data();
+                 a.extra_len = list.shape(1);
+               }
+               a.extra = &extra;
+             } else {
+               TF_CHECK(count_obj.is_none() && list_obj.is_none(), "extra entries need extra_layer");
+             }
+             py::array_t<float> out({T, HQ, v_dim});
+             a.q = q.data();
+             a.q_stride = HQ * D;
+             a.out = out.mutable_data();
+             a.out_stride = HQ * v_dim;
+             a.T = T;
+             a.seq = seqs.data();
+             a.end = ends.data();
+             a.window = window;
+             a.n_cache_heads = int(HK);
+             a.group = int(HQ / HK);
+             a.head_dim = int(D);
+             a.v_dim = int(v_dim);
+             a.scale = scale;
+             {
+               py::gil_scoped_release nogil;
+               b.attention(a, l);
+             }
+             return out;
+           },
+           py::arg("kv"), py::arg("layer"), py::arg("q"), py::arg("seqs"), py::arg("ends"), py::arg("window") = 0,
+           py::arg("scale") = 1.0f, py::arg("v_dim") = 0, py::arg("sinks") = py::none(),
+           py::arg("extra_layer") = py::none(), py::arg("extra_count") = py::none(), py::arg("extra_list") = py::none(),
+           "attention over rows written into a KvCache, with optional sinks and a second layer's entries")
+      .def("gated_pool",
+           [](Backend& b, carray<float> src, const std::string& kv_type, carray<int32_t> which, carray<int64_t> kv_at,
+              carray<int64_t> gate_at, py::object bias_obj, int64_t D) {
+             // src rows are stored through the backend as cache rows of kv_type; entry e's slot s
+             // reads row which[e, s] (-1: absent).
+             rows2(src, "src");
+             TF_CHECK(which.ndim() == 2, "which must be [count, n_slots]");
+             const int64_t count = which.shape(0), S = which.shape(1), R = src.shape(0), W = src.shape(1);
+             TF_CHECK(kv_at.size() == S && gate_at.size() == S && D >= 1, "kv_at and gate_at: one per slot");
+             for (int64_t s = 0; s < S; ++s)
+               TF_CHECK(kv_at.data()[s] >= 0 && kv_at.data()[s] + D <= W && gate_at.data()[s] >= 0 &&
+                            gate_at.data()[s] + D <= W,
+                        "slot ", s, " reads past the row");
+             for (int64_t i = 0; i < which.size(); ++i)
+               TF_CHECK(which.data()[i] >= -1 && which.data()[i] < R, "which: row out of range");
+             carray<float> bias;
+             if (!bias_obj.is_none()) {
+               bias = bias_obj.cast<carray<float>>();
+               TF_CHECK(bias.ndim() == 2 && bias.shape(0) == S && bias.shape(1) == D, "bias must be [n_slots, D]");
+             }
+             const KvType t = kv_type_of(kv_type);
+             const size_t row_bytes = size_t(W) * (t == KvType::F32 ? 4 : 2);
+             Buffer store = b.alloc(std::max<size_t>(row_bytes * size_t(R), 1), BufferKind::Device);
+             TF_CHECK(bool(store), "cannot allocate the rows");
+             std::vector<void*> cells(static_cast<size_t>(R));
+             for (int64_t r = 0; r < R; ++r) cells[size_t(r)] = static_cast<uint8_t*>(store.data()) + size_t(r) * row_bytes;
+             std::vector<PoolSlot> slots(static_cast<size_t>(S));
+             for (int64_t s = 0; s < S; ++s)
+               slots[size_t(s)] = {kv_at.data()[s], gate_at.data()[s], bias_obj.is_none() ? nullptr : bias.data() + s * D};
+             std::vector<const void*> rows(size_t(count * S));
+             for (int64_t i = 0; i < count * S; ++i)
+               rows[size_t(i)] = which.data()[i] < 0 ? nullptr : cells[size_t(which.data()[i])];
+             py::array_t<float> out({count, D});
+             {
+               py::gil_scoped_release nogil;
+               b.store_rows(src.data(), W, W, cells.data(), R, t);
+               b.gated_pool(rows.data(), slots.data(), int(S), count, D, t, out.mutable_data(), D);
+             }
+             return out;
+           },
+           py::arg("src"), py::arg("kv_type"), py::arg("which"), py::arg("kv_at"), py::arg("gate_at"),
+           py::arg("bias"), py::arg("D"),
+           "per entry and channel: softmax over present slots of (gate + bias) times the slots' values")
+      .def("index_topk",
+           [](Backend& b, KvCache& kv, int layer, carray<float> q, carray<float> w, carray<int32_t> seqs,
+              carray<int64_t> counts, int k) {
+             if (q.ndim() != 3) throw py::value_error("q must be [T, n_heads, D]");
+             const int64_t T = q.shape(0), H = q.shape(1), D = q.shape(2);
+             const KvLayer l = layer_of(kv, layer);
+             TF_CHECK(l.pool->spec().n_heads == 1 && l.pool->spec().k_dim == D, "the layer must hold one head of D");
+             TF_CHECK(w.ndim() == 2 && w.shape(0) == T && w.shape(1) == H, "w must be [T, n_heads]");
+             TF_CHECK(seqs.size() == T && counts.size() == T && k >= 1, "seqs and counts: T entries; k >= 1");
+             for (int64_t t = 0; t < T; ++t)
+               TF_CHECK(seqs.data()[t] >= 0 && seqs.data()[t] < kv.max_seqs() && counts.data()[t] >= 0 &&
+                            (counts.data()[t] == 0 || holds(l, seqs.data()[t], counts.data()[t] - 1)),
+                        "token ", t, ": its entries are not in the cache");
+             py::array_t<int32_t> idx({T, int64_t(k)});
+             {
+               py::gil_scoped_release nogil;
+               b.index_topk(q.data(), H * D, int(H), D, w.data(), H, l, seqs.data(), counts.data(), T, k,
+                            idx.mutable_data());
+             }
+             return idx;
+           },
+           py::arg("kv"), py::arg("layer"), py::arg("q"), py::arg("w"), py::arg("seqs"), py::arg("counts"),
+           py::arg("k"), "the k best entries per token by sum_h w[h] relu(q[h] . k_s), best first, -1 padded")
+      .def("hyper_maps",
+           [](Backend& b, carray<float> mix, carray<float> base, carray<float> scale, int n, int iters, float eps,
+              bool final_collapse) {
+             rows2(mix, "mix");
+             const int64_t T = mix.shape(0), width = final_collapse ? n : (2 + n) * n;
+             TF_CHECK(n >= 1 && n <= 16 && mix.shape(1) == width && base.size() == width &&
+                          scale.size() == (final_collapse ? 1 : 3) && (final_collapse || iters >= 1),
+                      "mix: [T, ", width, "], base: ", width, " values, scale: ", final_collapse ? 1 : 3, " values");
+             py::array_t<float> pre({T, int64_t(n)}), post({T, int64_t(n)}), comb({T, int64_t(n), int64_t(n)});
+             HyperMaps m;
+             m.mix = mix.data();
+             m.ldm = width;
+             m.base = base.data();
+             m.scale = scale.data();
+             m.n = n;
+             m.iters = iters;
+             m.eps = eps;
+             m.pre = pre.mutable_data();
+             m.post = final_collapse ? nullptr : post.mutable_data();
+             m.comb = final_collapse ? nullptr : comb.mutable_data();
+             b.hyper_maps(m, T);
+             if (final_collapse) return py::object(pre);
+             return py::object(py::make_tuple(pre, post, comb));
+           },
+           py::arg("mix"), py::arg("base"), py::arg("scale"), py::arg("n"), py::arg("iters") = 1,
+           py::arg("eps") = 1e-6f, py::arg("final") = false,
+           "(pre, post, comb) of hyper-connections from the mixing logits; final: pre only")
+      .def("hyper_collapse",
+           [](Backend& b, carray<float> streams, carray<float> pre) {
+             if (streams.ndim() != 3) throw py::value_error("streams must be [T, n, E]");
+             const int64_t T = streams.shape(0), n = streams.shape(1), E = streams.shape(2);
+             TF_CHECK(pre.ndim() == 2 && pre.shape(0) == T && pre.shape(1) == n, "pre must be [T, n]");
+             py::array_t<float> out({T, E});
+             b.hyper_collapse(streams.data(), pre.data(), int(n), E, T, out.mutable_data(), E);
+             return out;
+           },
+           py::arg("streams"), py::arg("pre"))
+      .def("hyper_expand",
+           [](Backend& b, carray<float> streams, carray<float> block_out, carray<float> post, carray<float> comb) {
+             if (streams.ndim() != 3) throw py::value_error("streams must be [T, n, E]");
+             const int64_t T = streams.shape(0), n = streams.shape(1), E = streams.shape(2);
+             TF_CHECK(n >= 1 && n <= 16, "1 to 16 streams");
+             TF_CHECK(block_out.ndim() == 2 && block_out.shape(0) == T && block_out.shape(1) == E,
+                      "block_out must be [T, E]");
+             TF_CHECK(post.ndim() == 2 && post.shape(0) == T && post.shape(1) == n, "post must be [T, n]");
+             TF_CHECK(comb.ndim() == 3 && comb.shape(0) == T && comb.shape(1) == n && comb.shape(2) == n,
+                      "comb must be [T, n, n]");
+             py::array_t<float> out({T, n, E});
+             std::copy(streams.data(), streams.data() + streams.size(), out.mutable_data());
+             b.hyper_expand(out.mutable_data(), block_out.data(), E, post.data(), comb.data(), int(n), E, T);
+             return out;
+           },
+           py::arg("streams"), py::arg("block_out"), py::arg("post"), py::arg("comb"),
+           "streams[i] = post[i] * block_out + sum_j comb[j, i] * streams[j]");
 }
 
 }  // namespace tf

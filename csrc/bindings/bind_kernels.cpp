@@ -22,13 +22,13 @@ namespace py = pybind11;
 
 namespace tf {
 
-PoolSlot& pool_for(int threads) {
+SharedPool& pool_for(int threads) {
   static std::mutex mu;
-  static std::map<int, std::unique_ptr<PoolSlot>> pools;
+  static std::map<int, std::unique_ptr<SharedPool>> pools;
   std::lock_guard<std::mutex> lock(mu);
   auto& slot = pools[threads];
   if (!slot) {
-    slot = std::make_unique<PoolSlot>();
+    slot = std::make_unique<SharedPool>();
     slot->pool = std::make_unique<ThreadPool>(threads);
   }
   return *slot;
@@ -84,7 +84,7 @@ py::array_t<float> kernels_matmul(uint32_t type_id,
     py::gil_scoped_release release;
     std::vector<uint8_t> buf(stride * size_t(ncols) + 64);
     uint8_t* xq = buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63);
-    PoolSlot& slot = pool_for(threads);
+    SharedPool& slot = pool_for(threads);
     std::lock_guard<std::mutex> lock(slot.mu);
     slot.pool->parallel_for(ncols, 1, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c)
@@ -105,7 +105,7 @@ uint64_t kernels_read_bytes(py::array_t<uint8_t, py::array::c_style> a, int thre
   uint64_t out = 0;
   {
     py::gil_scoped_release release;
-    PoolSlot& slot = pool_for(threads);
+    SharedPool& slot = pool_for(threads);
     std::lock_guard<std::mutex> lock(slot.mu);
     std::vector<uint64_t> part(size_t(threads), 0);
     const bool avx512 = cpu::detail::isa_available(CpuIsa::Avx512);

@@ -42,8 +42,8 @@ KvType type_of(const std::string& t) {
   return t == "f32" ? KvType::F32 : KvType::F16;
 }
 
-// The K row cells of (layer, seq, entries) for every head: [n][heads].
-std::vector<void*> k_cells(const KvCache& kv, int layer, int seq, const carray<int64_t>& entries) {
+// The K (or V) row cells of (layer, seq, entries) for every head: [n][heads].
+std::vector<void*> k_cells(const KvCache& kv, int layer, int seq, const carray<int64_t>& entries, bool v = false) {
   const KvLayer l = kv.layer(layer);
   const int H = l.pool->spec().n_heads;
   const auto& table = l.pool->block_table(seq);
@@ -52,7 +52,7 @@ std::vector<void*> k_cells(const KvCache& kv, int layer, int seq, const carray<i
     const int64_t e = entries.data()[i];
     TF_CHECK(e >= 0 && e / l.pool->block_size() < int64_t(table.size()) && table[size_t(e / l.pool->block_size())] >= 0,
              "entry ", e, " is not held by the sequence");
-    for (int h = 0; h < H; ++h) cells.push_back(l.pool->k_row(l.layer, seq, e, h));
+    for (int h = 0; h < H; ++h) cells.push_back(v ? l.pool->v_row(l.layer, seq, e, h) : l.pool->k_row(l.layer, seq, e, h));
   }
   return cells;
 }
@@ -120,6 +120,16 @@ void bind_kv(py::module_& m) {
                       "rows must be [entries, heads, k_dim]");
              std::vector<void*> cells = k_cells(kv, layer, seq, entries);
              be.store_rows(rows.data(), p.spec().k_dim, p.spec().k_dim, cells.data(), int64_t(cells.size()), p.type());
+           })
+      .def("write_v",
+           [](KvCache& kv, Backend& be, int layer, int seq, const carray<int64_t>& entries, const carray<float>& rows) {
+             const KvPool& p = *kv.layer(layer).pool;
+             TF_CHECK(p.spec().v_dim > 0, "the layer keeps no V rows (V is a prefix of K)");
+             TF_CHECK(rows.ndim() == 3 && rows.shape(0) == entries.size() && rows.shape(1) == p.spec().n_heads &&
+                          rows.shape(2) == p.spec().v_dim,
+                      "rows must be [entries, heads, v_dim]");
+             std::vector<void*> cells = k_cells(kv, layer, seq, entries, true);
+             be.store_rows(rows.data(), p.spec().v_dim, p.spec().v_dim, cells.data(), int64_t(cells.size()), p.type());
            })
       .def("read_k",
            [](const KvCache& kv, Backend& be, int layer, int seq, const carray<int64_t>& entries) {

@@ -24,7 +24,8 @@ void bind_moe(py::module_& m) {
   m.def(
       "moe_route",
       [](carray<float> logits, int n_used, const std::string& gating, bool norm_topk, float scale,
-         std::optional<carray<float>> bias, int n_group, int n_group_used, bool reference) {
+         std::optional<carray<float>> bias, int n_group, int n_group_used, bool reference,
+         std::optional<carray<int32_t>> fixed) {
         if (logits.ndim() != 2) throw py::value_error("logits must be a 2-D array [T, n_expert]");
         const int64_t T = logits.shape(0), n_expert = logits.shape(1);
         if (n_expert < 1 || n_expert > (int64_t{1} << 30)) throw py::value_error("logits must have 1 <= n_expert columns");
@@ -35,8 +36,10 @@ void bind_moe(py::module_& m) {
           cfg.gating = moe::Gating::Softmax;
         else if (gating == "sigmoid")
           cfg.gating = moe::Gating::Sigmoid;
+        else if (gating == "sqrtsoftplus")
+          cfg.gating = moe::Gating::SqrtSoftplus;
         else
-          throw py::value_error("gating must be 'softmax' or 'sigmoid', got '" + gating + "'");
+          throw py::value_error("gating must be 'softmax', 'sigmoid' or 'sqrtsoftplus', got '" + gating + "'");
         cfg.norm_topk = norm_topk;
         cfg.scale = scale;
         if (bias) {
@@ -48,6 +51,9 @@ void bind_moe(py::module_& m) {
         cfg.n_group = n_group;
         cfg.n_group_used = n_group_used;
         moe::validate(cfg);  // tf::Error(InvalidInput) -> ValueError
+        if (fixed && (fixed->ndim() != 2 || fixed->shape(0) != T || fixed->shape(1) != n_used))
+          throw py::value_error("fixed must be a 2-D array [T, n_used] of expert ids");
+        const int32_t* fixed_ids = fixed ? fixed->data() : nullptr;  // ids out of range raise in the router
 
         const int k = cfg.n_used;
         py::array_t<int32_t> ids({T, static_cast<int64_t>(k)});
@@ -56,19 +62,20 @@ void bind_moe(py::module_& m) {
         {
           py::gil_scoped_release nogil;
           if (reference)
-            moe::route_reference(cfg, logits.data(), T, ids.mutable_data(), weights.mutable_data());
+            moe::route_reference(cfg, logits.data(), T, ids.mutable_data(), weights.mutable_data(), fixed_ids);
           else
-            moe::route(cfg, logits.data(), T, ids.mutable_data(), weights.mutable_data(), scratch.data());
+            moe::route(cfg, logits.data(), T, ids.mutable_data(), weights.mutable_data(), scratch.data(), fixed_ids);
         }
         return py::make_tuple(ids, weights);
       },
       py::arg("logits"), py::arg("n_used"), py::arg("gating") = "softmax", py::arg("norm_topk") = false,
       py::arg("scale") = 1.0f, py::arg("bias") = py::none(), py::arg("n_group") = 1,
-      py::arg("n_group_used") = 1, py::arg("reference") = false,
+      py::arg("n_group_used") = 1, py::arg("reference") = false, py::arg("fixed") = py::none(),
       "Route tokens to experts: returns (ids int32 [T, n_used], weights float32 [T, n_used]), ids best "
-      "first (ties: lower expert id). gating 'softmax' or 'sigmoid'; bias shifts the selection "
+      "first (ties: lower expert id). gating 'softmax', 'sigmoid' or 'sqrtsoftplus'; bias shifts the selection "
       "scores only; n_group/n_group_used enable group-limited top-k; reference=True runs the "
-      "double-precision reference.");
+      "double-precision reference; fixed: [T, n_used] expert ids chosen by a table (hash routing), "
+      "only their weights computed.");
 }
 
 }  // namespace tf

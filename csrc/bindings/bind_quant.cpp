@@ -150,7 +150,7 @@ void bind_quant(py::module_& m) {
         const float* src = x.data();
         {
           py::gil_scoped_release nogil;
-          PoolSlot& slot = pool_for(threads);
+          SharedPool& slot = pool_for(threads);
           std::lock_guard<std::mutex> lock(slot.mu);
           quantize_rows(static_cast<GgmlType>(type_id), src, rows, cols, imp_ptr, dst, *slot.pool);
         }

@@ -9,11 +9,11 @@
 namespace tf {
 // A thread pool per thread count, shared by the kernel and quantizer bindings; one call at a
 // time per pool (hold mu while using it).
-struct PoolSlot {
+struct SharedPool {
   std::mutex mu;
   std::unique_ptr<ThreadPool> pool;
 };
-PoolSlot& pool_for(int threads);
+SharedPool& pool_for(int threads);
 namespace comm {
 struct GroupStats;
 }

@@ -24,7 +24,8 @@ struct RouterConfig {
   const float* selection_bias = nullptr;
   // Group-limited routing: experts split into n_group equal groups; only experts in the
   // best n_group_used groups may be chosen. A group's score is the sum of its two best
-  // (bias-corrected) scores for sigmoid gating (v3), its best score for softmax (v2).
+  // (bias-corrected) scores for sigmoid and sqrtsoftplus gating (v3), its best score for
+  // softmax (v2).
   int n_group = 1;
   int n_group_used = 1;
 };
@@ -34,11 +35,14 @@ void validate(const RouterConfig& cfg);
 
 // Routes T tokens. logits: [T][n_expert]. Writes ids: [T][n_used] (best first) and
 // weights: [T][n_used]. `scratch` must hold 3 * n_expert floats. No allocation.
+// fixed (hash routing): [T][n_used] expert ids chosen by a table, copied to ids in their order;
+// the weights are the gating scores at those ids (renormalised with norm_topk, then scaled);
+// selection bias and groups play no part.
 void route(const RouterConfig& cfg, const float* logits, int64_t T, int32_t* ids, float* weights,
-           float* scratch);
+           float* scratch, const int32_t* fixed = nullptr);
 
 // Straightforward reference implementation of the same (double precision, full sorts).
 void route_reference(const RouterConfig& cfg, const float* logits, int64_t T, int32_t* ids,
-                     float* weights);
+                     float* weights, const int32_t* fixed = nullptr);
 
 }  // namespace tf::moe

@@ -1,7 +1,8 @@
 // The CPU backend: every op of the seam on a thread pool it owns, through the kernels of one
 // instruction set (the best this CPU has, or a cap for tests): the low-bit products of the
 // kernel table (activations quantized once per layout a group of weights needs), paged
-// attention (attention.h), the vector primitives (vec_ops.h), routing (moe/router).
+// attention (attention.h; with sinks or a second source of entries: attention_sparse.h), the
+// lightning indexer (index_topk.h), the vector primitives (vec_ops.h), routing (moe/router).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -12,7 +13,9 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/attention.h"
+#include "backend/cpu/attention_sparse.h"
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/index_topk.h"
 #include "backend/cpu/kernel_table.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/kernels_internal.h"
@@ -27,6 +30,7 @@ namespace tf {
 namespace {
 
 constexpr size_t kLayouts = 3;  // cpu::ActLayout values
+constexpr int kMaxStreams = 16;  // hyper-connection streams (DeepSeek-V4: 4)
 
 struct MatmulJob {
   Weight w;
@@ -217,7 +221,9 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void silu_mul(float* g, int64_t ldg, const float* u, int64_t ldu, int64_t T, int64_t n, int64_t split) override {
+  void silu_mul(float* g, int64_t ldg, const float* u, int64_t ldu, int64_t T, int64_t n, int64_t split,
+                float limit) override {
+    if (limit > 0.f) return silu_mul_clamped(g, ldg, u, ldu, T, n, split, limit);
     rows(T, n, [&](int64_t t) {
       float* gr = g + t * ldg;
       const float* ur = u + t * ldu;
@@ -226,6 +232,35 @@ class CpuBackend final : public Backend {
         ops_.silu_mul(n - split, gr + split, ur + split, gr + split);
       } else {
         ops_.silu_mul(n, gr, ur, gr);
+      }
+    });
+  }
+
+  // Clamped SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit), then silu(g) * u, through
+  // the same vector op on pieces of kClampPiece values (a multiple of every vector width, so the
+  // pieces' bodies and tails fall where the whole row's would).
+  void silu_mul_clamped(float* g, int64_t ldg, const float* u, int64_t ldu, int64_t T, int64_t n, int64_t split,
+                        float limit) {
+    constexpr int64_t kClampPiece = 1024;
+    auto part = [&](float* gp, const float* up, int64_t m) {
+      float uc[kClampPiece];
+      for (int64_t i0 = 0; i0 < m; i0 += kClampPiece) {
+        const int64_t c = std::min(kClampPiece, m - i0);
+        for (int64_t i = 0; i < c; ++i) {
+          gp[i0 + i] = std::min(gp[i0 + i], limit);
+          uc[i] = std::clamp(up[i0 + i], -limit, limit);
+        }
+        ops_.silu_mul(c, gp + i0, uc, gp + i0);
+      }
+    };
+    rows(T, n, [&](int64_t t) {
+      float* gr = g + t * ldg;
+      const float* ur = u + t * ldu;
+      if (split > 0 && split < n) {
+        part(gr, ur, split);
+        part(gr + split, ur + split, n - split);
+      } else {
+        part(gr, ur, n);
       }
     });
   }
@@ -278,11 +313,154 @@ class CpuBackend final : public Backend {
 
   void attention(const AttentionBatch& a, const KvLayer& kv) override;
 
+  void gated_pool(const void* const* src, const PoolSlot* slots, int n_slots, int64_t count, int64_t D, KvType t,
+                  float* out, int64_t ldo) override {
+    TF_CHECK(n_slots >= 0 && D >= 0 && count >= 0, "gated_pool: bad sizes");
+    const bool f32 = t == KvType::F32;
+    rows(count, int64_t(n_slots) * D, [&](int64_t e) {
+      // The present slots' gate logits (bias added) per channel, their per-channel maximum, then
+      // one pass of exp(gate - max) summed and weighting the values.
+      thread_local std::vector<float> buf;
+      if (buf.size() < size_t(n_slots + 3) * size_t(D)) buf.resize(size_t(n_slots + 3) * size_t(D));
+      float* mx = buf.data();
+      float* sum = mx + D;
+      float* val = sum + D;
+      float* gates = val + D;
+      float* o = out + e * ldo;
+      const void* const* rs = src + e * n_slots;
+      auto load = [&](const void* row, int64_t at, float* dst) {
+        if (f32)
+          std::memcpy(dst, static_cast<const float*>(row) + at, size_t(D) * sizeof(float));
+        else
+          ops_.f16_to_f32(D, static_cast<const uint16_t*>(row) + at, dst);
+      };
+      std::fill(mx, mx + D, -INFINITY);
+      int present = 0;
+      for (int s = 0; s < n_slots; ++s) {
+        if (!rs[s]) continue;
+        float* gl = gates + size_t(present++) * size_t(D);
+        load(rs[s], slots[s].gate_at, gl);
+        if (slots[s].bias)
+          for (int64_t c = 0; c < D; ++c) gl[c] += slots[s].bias[c];
+        for (int64_t c = 0; c < D; ++c) mx[c] = std::max(mx[c], gl[c]);
+      }
+      std::fill(o, o + D, 0.f);
+      if (present == 0) return;  // no slot: zeros
+      std::fill(sum, sum + D, 0.f);
+      present = 0;
+      for (int s = 0; s < n_slots; ++s) {
+        if (!rs[s]) continue;
+        float* gl = gates + size_t(present++) * size_t(D);
+        for (int64_t c = 0; c < D; ++c) gl[c] -= mx[c];
+        ops_.exp_sub_sum(D, gl, 0.f);
+        load(rs[s], slots[s].kv_at, val);
+        for (int64_t c = 0; c < D; ++c) {
+          sum[c] += gl[c];
+          o[c] += gl[c] * val[c];
+        }
+      }
+      for (int64_t c = 0; c < D; ++c) o[c] /= sum[c];
+    });
+  }
+
+  void index_topk(const float* q, int64_t ldq, int n_heads, int64_t D, const float* w, int64_t ldw, const KvLayer& kv,
+                  const int32_t* seq, const int64_t* count, int64_t T, int k, int32_t* idx) override {
+    cpu::index_topk(q, ldq, n_heads, D, w, ldw, kv, seq, count, T, k, idx, pool_, ops_);
+  }
+
+  // -- hyper-connections -------------------------------------------------------------------
+  void hyper_maps(const HyperMaps& m, int64_t T) override {
+    const int n = m.n;
+    TF_CHECK(n >= 1 && n <= kMaxStreams && (m.post == nullptr || (m.comb != nullptr && m.iters >= 1)),
+             "hyper_maps: bad sizes");
+    // Tiny per token (n <= 16): computed in double, rounded once.
+    rows(T, int64_t(n) * (n + 2) * 16, [&](int64_t t) {
+      const float* x = m.mix + t * m.ldm;
+      auto sigmoid = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
+      for (int i = 0; i < n; ++i)
+        m.pre[t * n + i] = float(sigmoid(double(x[i]) * m.scale[0] + m.base[i]) + m.eps);
+      if (!m.post) return;
+      for (int i = 0; i < n; ++i)
+        m.post[t * n + i] = float(2.0 * sigmoid(double(x[n + i]) * m.scale[1] + m.base[n + i]));
+      double c[kMaxStreams * kMaxStreams];
+      const double eps = m.eps;
+      for (int j = 0; j < n; ++j) {  // row j: softmax over its columns, plus eps
+        double* row = c + j * n;
+        double mx = -INFINITY;
+        for (int i = 0; i < n; ++i) {
+          row[i] = double(x[2 * n + j * n + i]) * m.scale[2] + m.base[2 * n + j * n + i];
+          mx = std::max(mx, row[i]);
+        }
+        double s = 0;
+        for (int i = 0; i < n; ++i) s += row[i] = std::exp(row[i] - mx);
+        for (int i = 0; i < n; ++i) row[i] = row[i] / s + eps;
+      }
+      auto columns = [&] {
+        for (int i = 0; i < n; ++i) {
+          double s = 0;
+          for (int j = 0; j < n; ++j) s += c[j * n + i];
+          for (int j = 0; j < n; ++j) c[j * n + i] /= s + eps;
+        }
+      };
+      columns();
+      for (int it = 1; it < m.iters; ++it) {
+        for (int j = 0; j < n; ++j) {
+          double s = 0;
+          for (int i = 0; i < n; ++i) s += c[j * n + i];
+          for (int i = 0; i < n; ++i) c[j * n + i] /= s + eps;
+        }
+        columns();
+      }
+      for (int i = 0; i < n * n; ++i) m.comb[t * n * n + i] = float(c[i]);
+    });
+  }
+
+  void hyper_collapse(const float* streams, const float* pre, int n, int64_t E, int64_t T, float* out,
+                      int64_t ldo) override {
+    rows(T, int64_t(n) * E, [&](int64_t t) {
+      const float* st = streams + t * n * E;
+      const float* p = pre + t * n;
+      float* o = out + t * ldo;
+      for (int64_t c = 0; c < E; ++c) o[c] = p[0] * st[c];
+      for (int i = 1; i < n; ++i)
+        for (int64_t c = 0; c < E; ++c) o[c] += p[i] * st[i * E + c];
+    });
+  }
+
+  void hyper_expand(float* streams, const float* block_out, int64_t ldb, const float* post, const float* comb, int n,
+                    int64_t E, int64_t T) override {
+    TF_CHECK(n >= 1 && n <= kMaxStreams, "hyper_expand: at most ", kMaxStreams, " streams");
+    rows(T, int64_t(n) * n * E, [&](int64_t t) {
+      // In place: every new stream reads every old one, so a piece of the old streams is kept
+      // aside while the new values of that piece are written.
+      constexpr int64_t kPiece = 256;
+      float old[kMaxStreams * kPiece];
+      float* st = streams + t * n * E;
+      const float* b = block_out + t * ldb;
+      const float* p = post + t * n;
+      const float* cm = comb + t * n * n;
+      for (int64_t c0 = 0; c0 < E; c0 += kPiece) {
+        const int64_t w = std::min(kPiece, E - c0);
+        for (int j = 0; j < n; ++j) std::memcpy(old + j * kPiece, st + j * E + c0, size_t(w) * sizeof(float));
+        for (int i = 0; i < n; ++i) {
+          float* o = st + i * E + c0;
+          for (int64_t c = 0; c < w; ++c) o[c] = p[i] * b[c0 + c];
+          for (int j = 0; j < n; ++j) {
+            const float f = cm[j * n + i];
+            const float* oj = old + j * kPiece;
+            for (int64_t c = 0; c < w; ++c) o[c] += f * oj[c];
+          }
+        }
+      }
+    });
+  }
+
   // -- mixture of experts ------------------------------------------------------------------
-  void route(const moe::RouterConfig& cfg, const float* logits, int64_t T, const Routing& r) override {
+  void route(const moe::RouterConfig& cfg, const float* logits, int64_t T, const Routing& r,
+             const int32_t* fixed) override {
     const int NE = cfg.n_expert, K = cfg.n_used;
     if (route_scratch_.size() < size_t(3 * NE)) route_scratch_.resize(size_t(3 * NE));  // once per model
-    moe::route(cfg, logits, T, r.ids, r.weights, route_scratch_.data());
+    moe::route(cfg, logits, T, r.ids, r.weights, route_scratch_.data(), fixed);
     // Counting sort of the (token, slot) pairs by expert (token order kept within an expert).
     int32_t* off = r.offsets;
     std::fill(off, off + NE + 1, 0);
@@ -398,6 +576,7 @@ class CpuBackend final : public Backend {
 };
 
 void CpuBackend::attention(const AttentionBatch& a, const KvLayer& kv) {
+  if (a.sinks || a.extra) return cpu::attention_sparse(a, kv, pool_, ops_);  // its own path (DeepSeek-V4)
   const KvPool& pool = *kv.pool;
   const int group = a.group, HK = a.n_cache_heads;
   // Tokens go in blocks: a run of consecutive positions of one sequence (a prefill chunk), up
