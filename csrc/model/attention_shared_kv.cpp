@@ -106,7 +106,7 @@ SharedKvAttention::SharedKvAttention(const BlockContext& c, AttentionKind kind)
   q_norm_ = w.vector(p + "attn_q_a_norm.weight", QL);
   wq_b_ = w.weight(p + "attn_q_b.weight", QL, H * D);
   wkv_ = w.weight(p + "attn_kv.weight", E, D);
-  kv_norm_ = w.vector(p + "attn_kv_norm.weight", D);
+  kv_norm_ = w.vector(p + "attn_kv_a_norm.weight", D);
   const Weight oa = w.weight(p + "attn_output_a.weight", H * D / G, G * OL);
   wo_a_ = WeightStack{oa, G, size_t(OL) * oa.row_stride};
   wo_a_.first.rows = OL;
