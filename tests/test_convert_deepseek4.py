@@ -1,0 +1,483 @@
+"""tensorfold convert for DeepSeek-V4 (DeepseekV4ForCausalLM -> GGUF deepseek4), checked against
+outside oracles: transformers' own state dict and logits (tests/deepseek4_fixture.py builds a
+tiny random model), the gguf reader, llama.cpp's tensor / key names (its gguf-py constants,
+when the llama.cpp sources are around) and llama.cpp itself running the file (llama-cpp-python,
+whose libllama has deepseek4).
+
+Agreement with transformers, f32 GGUF, F32 KV cache, 300-token prompt (past the 8-token
+window, 75 CSA windows, 2 HCA windows): the largest logit difference measured is 1.8e-5 on
+logits up to ~7 (2.5e-6 relative; mean 2e-6), at every position, whether llama.cpp evaluates
+the prompt in one batch or in batches of 37 (its compressor state carried across them; token
+by token: 1.9e-5); the argmax agrees everywhere. The tolerance,
+1e-4, is that float32 rounding (sums in a different order through four layers of RMS norms,
+softmaxes and Sinkhorn iterations, ~1e-6 relative per op) with a 5x margin; a real layout
+error (a transposed projection, a missed ``ape``, wrong rope rows) moves logits by 0.1-5.
+One precondition is checked, not assumed: the lightning indexer's top-k must have no
+(near-)ties at its boundary in transformers' scores. Both implementations pick the same
+entries by the same scores, but among exactly equal scores torch.topk and ggml's top-k choose
+differently, and with few indexer heads many entries score exactly 0 (ReLU of every head);
+with 2 heads instead of the fixture's 8, a tie at position 20 of layer 3 sends the logits
+apart by up to 4.4 from there on, with 8 heads the smallest gap is ~2e-4 against score noise
+of ~1e-6.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import deepseek4_fixture as fx  # noqa: E402
+
+from tensorfold.convert import ConvertError, add_parser, convert  # noqa: E402
+
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+ATOL = 1e-4  # see the module docstring
+A = "deepseek4"
+
+
+# ----------------------------------------------------------------------------------------
+# expectations from transformers' model
+
+
+def expected_tensors(model) -> dict[str, np.ndarray]:
+    """GGUF name -> numpy array (numpy order) that the f32 file must hold, from transformers'
+    in-memory state dict and config (names: llama.cpp's gguf-py MODEL_ARCH.DEEPSEEK4)."""
+    sd = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    cfg = model.config
+    F = cfg.moe_intermediate_size
+    out = {
+        "token_embd.weight": sd["model.embed_tokens.weight"],
+        "output.weight": sd["lm_head.weight"],
+        "output_norm.weight": sd["model.norm.weight"],
+        "output_hc_fn.weight": sd["model.hc_head.hc_fn"],
+        "output_hc_base.weight": sd["model.hc_head.hc_base"],
+        "output_hc_scale.weight": sd["model.hc_head.hc_scale"],
+    }
+    for i, kind in enumerate(cfg.layer_types):
+        L, b = f"model.layers.{i}.", f"blk.{i}."
+        names = {
+            "attn_norm.weight": "input_layernorm.weight",
+            "ffn_norm.weight": "post_attention_layernorm.weight",
+            "hc_attn_fn.weight": "attn_hc.fn", "hc_attn_base.weight": "attn_hc.base",
+            "hc_attn_scale.weight": "attn_hc.scale",
+            "hc_ffn_fn.weight": "ffn_hc.fn", "hc_ffn_base.weight": "ffn_hc.base", "hc_ffn_scale.weight": "ffn_hc.scale",
+            "attn_sinks.weight": "self_attn.sinks",
+            "attn_q_a.weight": "self_attn.q_a_proj.weight",
+            "attn_q_a_norm.weight": "self_attn.q_a_norm.weight",
+            "attn_q_b.weight": "self_attn.q_b_proj.weight",
+            "attn_kv.weight": "self_attn.kv_proj.weight",
+            "attn_kv_a_norm.weight": "self_attn.kv_norm.weight",
+            "attn_output_a.weight": "self_attn.o_a_proj.weight",
+            "attn_output_b.weight": "self_attn.o_b_proj.weight",
+            "ffn_gate_inp.weight": "mlp.gate.weight",
+            "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+            "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+            "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        }
+        if kind != "sliding_attention":
+            names.update({
+                "attn_compressor_kv.weight": "self_attn.compressor.kv_proj.weight",
+                "attn_compressor_gate.weight": "self_attn.compressor.gate_proj.weight",
+                "attn_compressor_ape.weight": "self_attn.compressor.position_bias",
+                "attn_compressor_norm.weight": "self_attn.compressor.kv_norm.weight",
+            })
+        if kind == "compressed_sparse_attention":
+            names.update({
+                "indexer.attn_q_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+                "indexer.proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+                "indexer_compressor_kv.weight": "self_attn.compressor.indexer.kv_proj.weight",
+                "indexer_compressor_gate.weight": "self_attn.compressor.indexer.gate_proj.weight",
+                "indexer_compressor_ape.weight": "self_attn.compressor.indexer.position_bias",
+                "indexer_compressor_norm.weight": "self_attn.compressor.indexer.kv_norm.weight",
+            })
+        out.update({b + g: sd[L + h] for g, h in names.items()})
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            out[b + "ffn_gate_tid2eid.weight"] = sd[L + "mlp.gate.tid2eid"].astype(np.int32)
+        else:
+            out[b + "exp_probs_b.bias"] = sd[L + "mlp.gate.e_score_correction_bias"]
+        gate_up = sd[L + "mlp.experts.gate_up_proj"]  # [E, 2F, H]: gate rows, then up rows
+        out[b + "ffn_gate_exps.weight"] = gate_up[:, :F]
+        out[b + "ffn_up_exps.weight"] = gate_up[:, F:]
+        out[b + "ffn_down_exps.weight"] = sd[L + "mlp.experts.down_proj"]
+    return out
+
+
+def expected_kv(cfg) -> dict:
+    """deepseek4.* keys the file must hold, from transformers' config."""
+    rates = {"sliding_attention": 0, **cfg.compress_rates}
+    n = cfg.num_hidden_layers
+    comp = cfg.rope_parameters["compress"]
+    f32 = np.float32
+    return {
+        f"{A}.block_count": n,
+        f"{A}.context_length": cfg.max_position_embeddings,
+        f"{A}.embedding_length": cfg.hidden_size,
+        f"{A}.attention.head_count": cfg.num_attention_heads,
+        f"{A}.attention.head_count_kv": 1,
+        f"{A}.rope.scaling.type": "yarn",
+        f"{A}.rope.scaling.factor": f32(comp["factor"]),
+        f"{A}.rope.scaling.original_context_length": comp["original_max_position_embeddings"],
+        f"{A}.rope.scaling.yarn_beta_fast": f32(comp["beta_fast"]),
+        f"{A}.rope.scaling.yarn_beta_slow": f32(comp["beta_slow"]),
+        f"{A}.rope.freq_base": f32(cfg.rope_parameters["main"]["rope_theta"]),
+        f"{A}.attention.layer_norm_rms_epsilon": f32(cfg.rms_norm_eps),
+        f"{A}.expert_count": cfg.n_routed_experts,
+        f"{A}.expert_used_count": cfg.num_experts_per_tok,
+        f"{A}.expert_gating_func": 4,  # gguf.ExpertGatingFuncType.SQRTSOFTPLUS
+        f"{A}.attention.key_length": cfg.head_dim,
+        f"{A}.attention.value_length": cfg.head_dim,
+        f"{A}.rope.dimension_count": cfg.qk_rope_head_dim,
+        f"{A}.attention.q_lora_rank": cfg.q_lora_rank,
+        f"{A}.attention.sliding_window": cfg.sliding_window,
+        f"{A}.expert_feed_forward_length": cfg.moe_intermediate_size,
+        f"{A}.expert_shared_count": cfg.n_shared_experts,
+        f"{A}.expert_weights_scale": f32(cfg.routed_scaling_factor),
+        f"{A}.expert_weights_norm": True,
+        f"{A}.swiglu_clamp_exp": [f32(cfg.swiglu_limit)] * n,
+        f"{A}.swiglu_clamp_shexp": [f32(cfg.swiglu_limit)] * n,
+        f"{A}.attention.indexer.head_count": cfg.index_n_heads,
+        f"{A}.attention.indexer.key_length": cfg.index_head_dim,
+        f"{A}.attention.indexer.top_k": cfg.index_topk,
+        f"{A}.attention.output_group_count": cfg.o_groups,
+        f"{A}.attention.output_lora_rank": cfg.o_lora_rank,
+        f"{A}.attention.compress_ratios": [rates[t] for t in cfg.layer_types],
+        f"{A}.attention.compress_rope_freq_base": f32(comp["rope_theta"]),
+        f"{A}.hyper_connection.count": cfg.hc_mult,
+        f"{A}.hyper_connection.sinkhorn_iterations": cfg.hc_sinkhorn_iters,
+        f"{A}.hyper_connection.epsilon": f32(cfg.hc_eps),
+        f"{A}.hash_layer_count": cfg.mlp_layer_types.count("hash_moe"),
+        f"{A}.embedding_length_out": cfg.hc_mult * cfg.hidden_size,
+    }
+
+
+def kv_of(reader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def tensors_of(path) -> dict:
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def values(t) -> np.ndarray:
+    """A GGUF tensor as numpy (float32; integers unchanged), dequantized."""
+    if t.tensor_type in (Q.F32, Q.I32):
+        return np.asarray(t.data)
+    return dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
+
+
+def shape_np(t) -> tuple[int, ...]:
+    return tuple(int(x) for x in reversed(t.shape))
+
+
+# ----------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(hf dir, transformers model, f32 GGUF path) of the tiny model, built once."""
+    root = tmp_path_factory.mktemp("ds4")
+    model = fx.make_tiny_deepseek4(root / "hf")
+    out = convert(root / "hf", root / "f32.gguf", "f32", progress=False)
+    return root / "hf", model, out
+
+
+@pytest.fixture(scope="module")
+def hf_logits(tiny):
+    """transformers' logits for fx.prompt_ids(), and the smallest gap at the top-k boundary of
+    the lightning indexer's scores (all CSA layers, all positions)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
+
+    _, model, _ = tiny
+    ids = fx.prompt_ids()
+    return _logits_and_gap(model, ids, M)
+
+
+def _logits_and_gap(model, ids, M):
+    scores = []
+    orig = M.DeepseekV4IndexerScorer.forward
+
+    def hooked(self, q, kv, h):
+        s = orig(self, q, kv, h)
+        scores.append(s.detach().clone())
+        return s
+
+    M.DeepseekV4IndexerScorer.forward = hooked
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].numpy()
+    finally:
+        M.DeepseekV4IndexerScorer.forward = orig
+    k = model.config.index_topk
+    ratio = model.config.compress_rates["compressed_sparse_attention"]
+    gap = np.inf
+    for s in scores:
+        for t in range(s.shape[1]):
+            valid = (t + 1) // ratio
+            if valid > k:
+                v = torch.sort(s[0, t, :valid], descending=True).values
+                gap = min(gap, float(v[k - 1] - v[k]))
+    return logits, gap
+
+
+def _llama_logits(path, ids, n_batch=512) -> np.ndarray:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ll = llama_cpp.Llama(model_path=os.fspath(path), n_ctx=512, n_batch=n_batch, n_ubatch=n_batch, logits_all=True,
+                         verbose=False, n_threads=2, type_k=0, type_v=0, flash_attn=False)  # 0: GGML_TYPE_F32
+    try:
+        ll.eval(ids)
+        return np.array(ll.scores[:len(ids)])
+    finally:
+        ll.close()
+
+
+def _copy(src: Path, dst: Path, cfg_update: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """A checkpoint directory sharing src's files (symlinks) with an edited config.json."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "config.json":
+            os.symlink(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    for k in drop:
+        cfg.pop(k, None)
+    cfg.update(cfg_update or {})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+# ----------------------------------------------------------------------------------------
+# the transformers layout
+
+
+def test_f32_tensors_equal_transformers_state_dict(tiny):
+    """Every tensor: llama.cpp's name, numpy shape = transformers' (experts split from the fused
+    gate_up_proj), values bit-equal; F32 everywhere, tid2eid I32; nothing more, nothing less."""
+    _, model, out = tiny
+    want = expected_tensors(model)
+    got = tensors_of(out)
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        t = got[name]
+        assert shape_np(t) == w.shape, name
+        if name.endswith("tid2eid.weight"):
+            assert t.tensor_type == Q.I32
+        else:
+            assert t.tensor_type == Q.F32, name
+        assert np.array_equal(np.asarray(t.data), w), name
+
+
+def test_metadata(tiny):
+    _, model, out = tiny
+    r = gguf.GGUFReader(out)
+    kv = kv_of(r)
+    assert kv["general.architecture"] == A
+    for key, val in expected_kv(model.config).items():
+        assert key in kv, key
+        if isinstance(val, list):
+            assert list(kv[key]) == val, key
+        else:
+            assert kv[key] == val, (key, kv[key], val)
+    # value types as llama.cpp's converter writes them (its gguf_writer's add_* for these keys)
+    types = {k: [t.name for t in f.types] for k, f in r.fields.items()}
+    assert types[f"{A}.attention.compress_ratios"] == ["ARRAY", "INT32"]
+    assert types[f"{A}.swiglu_clamp_exp"] == ["ARRAY", "FLOAT32"]
+    assert types[f"{A}.expert_weights_norm"] == ["BOOL"]
+    assert types[f"{A}.hyper_connection.epsilon"] == ["FLOAT32"]
+    assert types[f"{A}.hash_layer_count"] == ["UINT32"]
+    assert f"{A}.nextn_predict_layers" not in kv  # transformers keeps no MTP layer
+    assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "gpt-2"
+    assert len(kv["tokenizer.ggml.tokens"]) == model.config.vocab_size
+
+
+def _vendored_constants():
+    path = LLAMA_CPP / "gguf-py" / "gguf" / "constants.py"
+    if not path.is_file():
+        pytest.skip(f"llama.cpp sources not found at {LLAMA_CPP} (set LLAMA_CPP_DIR)")
+    spec = importlib.util.spec_from_file_location("llamacpp_gguf_constants", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not hasattr(mod.MODEL_ARCH, "DEEPSEEK4"):
+        pytest.skip("this llama.cpp has no deepseek4")
+    return mod
+
+
+def test_names_are_llama_cpp_deepseek4_names(tiny):
+    """Every tensor name is one of llama.cpp's MODEL_ARCH.DEEPSEEK4 tensors and every
+    deepseek4.* key one of its Keys (its own gguf-py, not the installed gguf package)."""
+    c = _vendored_constants()
+    _, _, out = tiny
+    allowed = set()
+    for t in c.MODEL_TENSORS[c.MODEL_ARCH.DEEPSEEK4]:
+        base = c.TENSOR_NAMES[t]
+        for suffix in (".weight", ".bias"):
+            allowed |= {base.format(bid=i) + suffix for i in range(8)} if "{bid}" in base else {base + suffix}
+    names = set(tensors_of(out))
+    assert names <= allowed, sorted(names - allowed)
+    keys = set()
+
+    def walk(cls):
+        for v in vars(cls).values():
+            if isinstance(v, str) and v.startswith("{arch}.") and v.count("{") == 1:
+                keys.add(v.format(arch=A))
+            elif isinstance(v, type):
+                walk(v)
+
+    walk(c.Keys)
+    ours = {k for k in kv_of(gguf.GGUFReader(out)) if k.startswith(A + ".")}
+    assert ours <= keys, sorted(ours - keys)
+
+
+@pytest.mark.parametrize("n_batch", [512, 37])
+def test_llama_cpp_logits_match_transformers(tiny, hf_logits, n_batch):
+    """llama.cpp loads the f32 file and reproduces transformers' logits at every position of a
+    300-token prompt (n_batch 37: the prompt in pieces that straddle CSA/HCA windows)."""
+    want, gap = hf_logits
+    assert gap > 1e-5, f"indexer scores nearly tied at the top-k boundary (gap {gap}): not a comparable fixture"
+    _, _, out = tiny
+    got = _llama_logits(out, fx.prompt_ids(), n_batch)
+    assert got.shape == want.shape
+    diff = np.abs(got - want).max()
+    assert diff < ATOL, f"max |llama.cpp - transformers| = {diff}"
+
+
+def test_in_memory_names_give_the_same_file(tiny, tmp_path):
+    """transformers' in-memory naming (save_original_format=False: self_attn.*, fused
+    mlp.experts.gate_up_proj) converts to the same tensors as its default saved naming."""
+    _, model, out = tiny
+    d = tmp_path / "hf_mem"
+    model.save_pretrained(d, safe_serialization=True, save_original_format=False)
+    fx.save_tokenizer(d)
+    from safetensors import safe_open
+
+    with safe_open(d / "model.safetensors", "np") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in keys and "model.layers.0.self_attn.q_a_proj.weight" in keys
+    got = tensors_of(convert(d, tmp_path / "mem.gguf", "f32", progress=False))
+    ref = tensors_of(out)
+    assert sorted(got) == sorted(ref)
+    for name, t in ref.items():
+        assert np.array_equal(np.asarray(got[name].data), np.asarray(t.data)), name
+
+
+@pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
+def test_outtypes(tiny, tmp_path, outtype):
+    """Norms, sinks, ape, hyper-connection tensors, routers and biases stay F32, tid2eid I32;
+    the other weights take the outtype (every row of this model is a multiple of 32, so Q8_0
+    applies throughout) and hold the values gguf's own quantizer makes of the state dict."""
+    hf, model, _ = tiny
+    want = expected_tensors(model)
+    got = tensors_of(convert(hf, tmp_path / f"{outtype}.gguf", outtype, progress=False))
+    qt = {"f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[outtype]
+    keep = ("norm.weight", "sinks.weight", "ape.weight", "_fn.weight", "_base.weight", "_scale.weight",
+            "ffn_gate_inp.weight", ".bias")
+    for name, w in want.items():
+        t = got[name]
+        if name.endswith("tid2eid.weight"):
+            assert t.tensor_type == Q.I32 and np.array_equal(np.asarray(t.data), w)
+        elif name.endswith(keep):
+            assert t.tensor_type == Q.F32, name
+            assert np.array_equal(np.asarray(t.data), w), name
+        else:
+            assert t.tensor_type == qt, name
+            if outtype == "f16":
+                assert np.array_equal(np.asarray(t.data), w.astype(np.float16)), name
+            else:
+                ref = quantize(np.ascontiguousarray(w, dtype=np.float32), qt)
+                assert np.array_equal(np.asarray(t.data).reshape(-1).view(np.uint8), ref.reshape(-1).view(np.uint8)), name
+
+
+def test_cli(tiny, tmp_path):
+    hf, _, out = tiny
+    ap = argparse.ArgumentParser(prog="tensorfold")
+    add_parser(ap.add_subparsers(dest="cmd"))
+    dst = tmp_path / "cli.gguf"
+    a = ap.parse_args(["convert", str(hf), "-o", str(dst), "--outtype", "f32", "-q"])
+    assert a.func(a) == 0
+    ref, got = tensors_of(out), tensors_of(dst)
+    assert all(np.array_equal(np.asarray(got[n].data), np.asarray(ref[n].data)) for n in ref)
+
+
+# ----------------------------------------------------------------------------------------
+# what cannot be represented
+
+
+@pytest.mark.parametrize("update,match", [
+    ({"scoring_func": "sigmoid"}, "scoring_func 'sigmoid'"),
+    ({"hc_mult": 2}, "hc_mult = 2"),
+    ({"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}}, "compress_rates"),
+    ({"compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 128}}, "compress_rates"),
+    ({"mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]}, "mlp_layer_types"),
+    ({"n_shared_experts": 2}, "n_shared_experts = 2"),
+    ({"swiglu_limit": 0.0}, "swiglu_limit"),
+    ({"num_key_value_heads": 4}, "num_key_value_heads"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"n_group": 4, "topk_group": 2}, "n_group"),
+    ({"rope_parameters": {"main": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                   "original_max_position_embeddings": 256},
+                          "compress": {"rope_type": "default", "rope_theta": 1.6e5}}}, "rope_parameters.main"),
+    ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4},
+                          "compress": {"rope_type": "yarn", "rope_theta": 1.6e5, "factor": 4.0,
+                                       "original_max_position_embeddings": 256, "attention_factor": 1.2}}},
+     "attention_factor"),
+    ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4},
+                          "compress": {"rope_type": "linear", "rope_theta": 1.6e5, "factor": 4.0}}}, "'linear'"),
+    ({"layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]},
+     "layer_types"),
+])
+def test_refused_configs(tiny, tmp_path, update, match):
+    hf, _, _ = tiny
+    d = _copy(hf, tmp_path / "edited", update)
+    with pytest.raises(ConvertError, match=match):
+        convert(d, tmp_path / "x.gguf", "f32", progress=False)
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()
+
+
+def test_tensor_mismatches_are_refused(tiny, tmp_path):
+    """A config that disagrees with the weights (here: the second layer declared HCA, whose
+    compressor would be half as wide and have no indexer) names the tensor."""
+    hf, _, _ = tiny
+    lt = ["sliding_attention", "heavily_compressed_attention", "heavily_compressed_attention",
+          "compressed_sparse_attention"]
+    d = _copy(hf, tmp_path / "edited", {"layer_types": lt})
+    with pytest.raises(ConvertError, match=r"model\.layers\.1\.attn\.compressor\.wkv\.weight has shape"):
+        convert(d, tmp_path / "x.gguf", "f32", progress=False)
+
+
+def test_unknown_and_missing_tensors_are_refused(tiny, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    hf, _, _ = tiny
+    sd = load_file(hf / "model.safetensors")
+    for label, edit, match in (
+        ("extra", lambda s: s.update({"model.layers.0.attn.mystery.weight": np.zeros(3, np.float32)}),
+         "does not map: model.layers.0.attn.mystery.weight"),
+        ("missing", lambda s: s.pop("model.layers.2.attn.compressor.ape"), "layers.2.attn.compressor.ape is missing"),
+        ("bad_tid2eid", lambda s: s.update({"model.layers.0.ffn.gate.tid2eid":
+                                            np.full_like(s["model.layers.0.ffn.gate.tid2eid"], 8)}),
+         r"expert ids outside \[0, 8\)"),
+    ):
+        d = tmp_path / label
+        d.mkdir()
+        for f in hf.iterdir():
+            if f.name != "model.safetensors":
+                os.symlink(f, d / f.name)
+        s = dict(sd)
+        edit(s)
+        save_file(s, d / "model.safetensors")
+        with pytest.raises(ConvertError, match=match):
+            convert(d, tmp_path / f"{label}.gguf", "f32", progress=False)
