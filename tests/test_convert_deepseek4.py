@@ -398,7 +398,8 @@ def test_outtypes(tiny, tmp_path, outtype):
                 assert np.array_equal(np.asarray(t.data), w.astype(np.float16)), name
             else:
                 ref = quantize(np.ascontiguousarray(w, dtype=np.float32), qt)
-                assert np.array_equal(np.asarray(t.data).reshape(-1).view(np.uint8), ref.reshape(-1).view(np.uint8)), name
+                got_bytes = np.asarray(t.data).reshape(-1).view(np.uint8)
+                assert np.array_equal(got_bytes, ref.reshape(-1).view(np.uint8)), name
 
 
 def test_cli(tiny, tmp_path):
@@ -481,3 +482,255 @@ def test_unknown_and_missing_tensors_are_refused(tiny, tmp_path):
         save_file(s, d / "model.safetensors")
         with pytest.raises(ConvertError, match=match):
             convert(d, tmp_path / f"{label}.gguf", "f32", progress=False)
+
+
+# ----------------------------------------------------------------------------------------
+# DeepSeek's release layout (FP8 / FP4 / BF16, MTP layer): tests/fixtures/deepseek4, written by
+# tests/deepseek4_official.py together with llama.cpp's own conversions of it
+
+
+OFFICIAL = Path(__file__).resolve().parent / "fixtures" / "deepseek4"
+N_MAIN = fx.CONFIG["num_hidden_layers"]
+
+
+def _official():
+    d = OFFICIAL / "official"
+    if not (d / "model.safetensors.index.json").is_file():
+        pytest.skip(f"fixture {d} missing (run tests/deepseek4_official.py)")
+    return d
+
+
+def _ofx():
+    spec = importlib.util.spec_from_file_location("deepseek4_official", Path(__file__).resolve().parent /
+                                                  "deepseek4_official.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def official(tmp_path_factory):
+    """(official dir, our f32 file, our q8_0 file, dequantized float values by release name)."""
+    d = _official()
+    root = tmp_path_factory.mktemp("ds4off")
+    o = _ofx()
+    deq = {k: v.numpy() for k, v in o.dequantized_state_dict(o.load_official(d)).items()}
+    return (d, convert(d, root / "f32.gguf", "f32", progress=False),
+            convert(d, root / "q8_0.gguf", "q8_0", progress=False), deq)
+
+
+def test_official_fixture_is_the_tiny_model():
+    """The committed config.json is what the script writes for the fixture's model, with the
+    release's field names, and the checkpoint is in the release's types."""
+    d = _official()
+    o = _ofx()
+    assert json.loads((d / "config.json").read_text()) == json.loads(json.dumps(o.official_config(fx.make_config())))
+    idx = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    header = {}
+    for f in sorted(set(idx.values())):
+        raw = (d / f).read_bytes()
+        header.update(json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")]))
+    dt = {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    assert dt["layers.0.attn.wq_a.weight"] == "F8_E4M3" and dt["layers.0.attn.wq_a.scale"] == "F8_E8M0"
+    assert dt["layers.0.ffn.experts.0.w1.weight"] == "I8" and dt["layers.0.ffn.experts.0.w1.scale"] == "F8_E8M0"
+    assert header["layers.0.ffn.experts.0.w1.weight"]["shape"] == [64, 48]  # 96 FP4 values per row, 2 per byte
+    assert header["layers.0.ffn.experts.0.w1.scale"]["shape"] == [64, 3]    # one scale per 32
+    assert header["layers.0.attn.wq_b.scale"]["shape"] == [4, 2]            # 512 x 160 in 128 x 128 blocks
+    assert dt["embed.weight"] == "BF16" and dt["layers.1.attn.compressor.wkv.weight"] == "BF16"
+    assert dt["layers.0.hc_attn_fn"] == "F32" and dt["layers.1.attn.compressor.ape"] == "F32"
+    assert dt["layers.0.ffn.gate.tid2eid"] == "I64" and dt["mtp.0.e_proj.weight"] == "F8_E4M3"
+
+
+def _llama_main():
+    return tensors_of(OFFICIAL / "llamacpp.gguf")
+
+
+def test_official_tensors_equal_llama_cpp_conversion(official):
+    """Our GGUF of the release layout holds llama.cpp's tensors: the same names and shapes for
+    the main layers (plus the MTP layer, see below), equal values after dequantization —
+    MXFP4 experts byte for byte, FP8 weights dequantized exactly (our f32 = the torch float8 x
+    E8M0 product; llama.cpp stores them Q8_0, which our q8_0 file reproduces byte for byte),
+    BF16 / F32 / I32 tensors value for value (llama.cpp keeps BF16 sources BF16; ours are f32)."""
+    _, f32, q8, deq = official
+    ref = _llama_main()
+    ours, ours_q8 = tensors_of(f32), tensors_of(q8)
+    mtp_names = {n for n in ours if n.startswith(f"blk.{N_MAIN}.")}
+    assert mtp_names and set(ours) == set(ref) | mtp_names and set(ours_q8) == set(ours)
+    for name, r in ref.items():
+        t, tq = ours[name], ours_q8[name]
+        assert shape_np(t) == shape_np(r) == shape_np(tq), name
+        if r.tensor_type == Q.MXFP4:
+            assert t.tensor_type == tq.tensor_type == Q.MXFP4, name
+            assert np.array_equal(np.asarray(t.data), np.asarray(r.data)), name
+            assert np.array_equal(np.asarray(tq.data), np.asarray(r.data)), name
+        elif r.tensor_type == Q.Q8_0:  # the FP8 weights
+            assert t.tensor_type == Q.F32 and tq.tensor_type == Q.Q8_0, name
+            assert np.array_equal(np.asarray(tq.data), np.asarray(r.data)), name
+            assert np.array_equal(quantize(np.asarray(t.data), Q.Q8_0), np.asarray(r.data)), name
+        else:
+            assert np.array_equal(values(t), values(r)), name
+    # and the FP8 weights are the exact product of the release's e4m3 values and E8M0 scales
+    for i in range(N_MAIN):
+        for g, c in (("attn_q_a", "attn.wq_a"), ("attn_q_b", "attn.wq_b"), ("attn_kv", "attn.wkv"),
+                     ("attn_output_a", "attn.wo_a"), ("attn_output_b", "attn.wo_b"),
+                     ("ffn_gate_shexp", "ffn.shared_experts.w1"), ("ffn_up_shexp", "ffn.shared_experts.w3"),
+                     ("ffn_down_shexp", "ffn.shared_experts.w2")):
+            assert np.array_equal(np.asarray(ours[f"blk.{i}.{g}.weight"].data), deq[f"layers.{i}.{c}.weight"])
+    for i in (1, 3):
+        assert np.array_equal(np.asarray(ours[f"blk.{i}.indexer.attn_q_b.weight"].data),
+                              deq[f"layers.{i}.attn.indexer.wq_b.weight"])
+    # the MXFP4 blocks decode to the release's FP4 values
+    for i in range(N_MAIN):
+        for g, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            got = values(ours[f"blk.{i}.ffn_{g}_exps.weight"])
+            want = np.stack([deq[f"layers.{i}.ffn.experts.{e}.{w}.weight"] for e in range(got.shape[0])])
+            assert np.array_equal(got, want), (i, g)
+
+
+def test_official_fp8_to_bf16_is_exact(official, tmp_path):
+    """An e4m3 value times a power of two is a bfloat16: --outtype bf16 keeps the FP8 weights
+    exactly (and the BF16 sources), MXFP4 experts stay MXFP4."""
+    d, _, _, deq = official
+    got = tensors_of(convert(d, tmp_path / "bf16.gguf", "bf16", progress=False))
+    for i in range(N_MAIN):
+        assert got[f"blk.{i}.attn_q_b.weight"].tensor_type == Q.BF16
+        assert np.array_equal(values(got[f"blk.{i}.attn_q_b.weight"]), deq[f"layers.{i}.attn.wq_b.weight"])
+        assert np.array_equal(values(got[f"blk.{i}.ffn_down_shexp.weight"]),
+                              deq[f"layers.{i}.ffn.shared_experts.w2.weight"])
+        assert got[f"blk.{i}.ffn_up_exps.weight"].tensor_type == Q.MXFP4
+    assert np.array_equal(values(got["token_embd.weight"]), deq["embed.weight"])
+
+
+def test_official_mtp_layer_is_llama_cpp_nextn_layer(official):
+    """The MTP layer becomes blk.4.* as llama.cpp's --mtp conversion names it: the same
+    tensors, shapes and values (eh_proj = [e_proj | h_proj], Q8_0 there; byte-equal in our
+    q8_0 file). The MTP layer's own hc_head has no place next to the main model's: our
+    output_hc_* are the main model's, llama.cpp's MTP-only file puts the MTP head there."""
+    _, f32, q8, deq = official
+    ref = tensors_of(OFFICIAL / "llamacpp-mtp.gguf")
+    ours, ours_q8 = tensors_of(f32), tensors_of(q8)
+    b = f"blk.{N_MAIN}."
+    assert {n for n in ref if n.startswith(b)} == {n for n in ours if n.startswith(b)}
+    for name in (n for n in ref if n.startswith(b)):
+        r, t, tq = ref[name], ours[name], ours_q8[name]
+        assert shape_np(t) == shape_np(r), name
+        if r.tensor_type in (Q.MXFP4, Q.Q8_0):
+            assert np.array_equal(np.asarray(tq.data), np.asarray(r.data)), name
+        else:
+            assert np.array_equal(values(t), values(r)), name
+    eh = np.concatenate([deq["mtp.0.e_proj.weight"], deq["mtp.0.h_proj.weight"]], axis=1)
+    assert np.array_equal(np.asarray(ours[b + "nextn.eh_proj.weight"].data), eh)
+    assert np.array_equal(np.asarray(ours[b + "nextn.shared_head_norm.weight"].data), deq["mtp.0.norm.weight"])
+    main = _llama_main()
+    for part in ("fn", "base", "scale"):
+        n = f"output_hc_{part}.weight"
+        assert np.array_equal(values(ours[n]), values(main[n]))
+        assert np.array_equal(values(ref[n]).reshape(-1), deq[f"mtp.0.hc_head_{part}"].reshape(-1))
+
+
+# naming only, or not from the checkpoint: llama.cpp adds its own DeepSeek-V4 chat template
+# (models/templates/deepseek-ai-DeepSeek-V4.jinja) when the checkpoint has none; TensorFold
+# writes the checkpoint's template only
+NOT_COMPARED = {"general.name", "general.type", "general.size_label", "tokenizer.chat_template"}
+
+
+def test_official_metadata_equals_llama_cpp(official):
+    """Every key of llama.cpp's MTP-including conversion, same value and type (deepseek4.*,
+    tokenizer.*, general.file_type ...); against its main-only file, the keys that do not
+    count layers."""
+    _, f32, _, _ = official
+    r_ours = gguf.GGUFReader(f32)
+    ours = {k: (f.contents(), [t.name for t in f.types]) for k, f in r_ours.fields.items()}
+    for path, skip in ((OFFICIAL / "llamacpp-mtp.gguf", set()),
+                       (OFFICIAL / "llamacpp.gguf", {f"{A}.block_count", f"{A}.swiglu_clamp_exp",
+                                                     f"{A}.swiglu_clamp_shexp"})):
+        r = gguf.GGUFReader(path)
+        for k, f in r.fields.items():
+            if k.startswith("GGUF.") or k in skip or k in NOT_COMPARED:
+                continue
+            assert k in ours, (path.name, k)
+            assert ours[k][1] == [t.name for t in f.types], (path.name, k)
+            assert ours[k][0] == f.contents(), (path.name, k)
+    assert ours[f"{A}.block_count"][0] == N_MAIN + 1 and ours[f"{A}.nextn_predict_layers"][0] == 1
+    assert ours["general.file_type"][0] == 38  # MOSTLY_MXFP4_MOE, as llama.cpp writes
+
+
+def test_llama_cpp_loads_official_conversion_with_mtp(official):
+    """llama.cpp's loader takes our file with the MTP layer loaded (load_mtp): 1 NextN layer."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, f32, _, _ = official
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_default_params()
+    params.load_mtp = True
+    model = llama_cpp.llama_model_load_from_file(os.fspath(f32).encode(), params)
+    assert model, "llama.cpp refused the file"
+    try:
+        assert llama_cpp.llama_model_n_layer_nextn(model) == 1
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def _q8_0_activations(x):
+    """ggml's Q8_0 round trip per 32 values of the last axis (quantize_row_q8_0_ref: d = amax/127
+    stored as F16, q = round-half-away(x/d)): what llama.cpp's CPU does to the activations of
+    an MXFP4 matrix product (vec_dot_type Q8_0)."""
+    s = x.shape
+    b = x.reshape(*s[:-1], s[-1] // 32, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.sign(b * inv) * torch.floor((b * inv).abs() + 0.5)
+    return (q * d.to(torch.float16).to(torch.float32)).reshape(s)
+
+
+def test_llama_cpp_runs_official_conversion(official, tmp_path):
+    """llama.cpp running our f32 conversion of the release layout against transformers running
+    the dequantized checkpoint. llama.cpp multiplies MXFP4 experts with activations rounded to
+    Q8_0, a loss transformers does not have; with that rounding emulated in transformers'
+    experts the two agree to 1e-4 over the first 16 positions (measured: 5e-6); later a single
+    activation that rounds the other way (values within float noise of a Q8_0 rounding
+    boundary) moves logits by ~1e-2 and ties in routing amplify it, so over the whole prompt
+    the check is relative: our file is at least as close to transformers as llama.cpp's own
+    conversion of the same checkpoint (measured mean |diff| 0.10 against its 0.21)."""
+    import types
+
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
+
+    d, f32, _, _ = official
+    model = _ofx().hf_model_from_official(d, tmp_path / "dequantized")
+    ids = fx.prompt_ids()
+    plain, _ = _logits_and_gap(model, ids, M)
+
+    def q8_experts(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            tok, pos = torch.where(top_k_index == e)
+            if len(tok):
+                cur = self._apply_gate(torch.nn.functional.linear(_q8_0_activations(hidden_states[tok]),
+                                                                  self.gate_up_proj[e]))
+                cur = torch.nn.functional.linear(_q8_0_activations(cur), self.down_proj[e])
+                final.index_add_(0, tok, cur * top_k_weights[tok, pos, None])
+        return final
+
+    for mod in model.modules():
+        if isinstance(mod, M.DeepseekV4Experts):
+            mod.forward = types.MethodType(q8_experts, mod)
+    emulated, _ = _logits_and_gap(model, ids, M)
+    ours = _llama_logits(f32, ids)
+    assert np.abs(ours[:16] - emulated[:16]).max() < ATOL
+    theirs = _llama_logits(OFFICIAL / "llamacpp.gguf", ids)
+    assert np.abs(ours - plain).mean() <= np.abs(theirs - plain).mean()
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"compress_ratios": [0, 4, 128, 4, 4]}, "MTP layer 0 ratio 4"),
+    ({"compress_ratios": [0, 4, 8, 4, 0]}, r"compress_ratios \[8\]"),
+    ({"num_hash_layers": 3}, "hash-routed|tid2eid"),
+    ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers = 2"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                       "attention_factor": 0.5}}, "attention_factor"),
+    ({"quantization_config": {"weight_block_size": [64, 64]}}, r"wq_a\.scale has shape"),
+])
+def test_official_refusals(tmp_path, edit, match):
+    d = _copy(_official(), tmp_path / "edited", edit)
+    with pytest.raises(ConvertError, match=match):
+        convert(d, tmp_path / "x.gguf", "f32", progress=False)
