@@ -420,8 +420,10 @@ def test_cli(tiny, tmp_path):
 @pytest.mark.parametrize("update,match", [
     ({"scoring_func": "sigmoid"}, "scoring_func 'sigmoid'"),
     ({"hc_mult": 2}, "hc_mult = 2"),
-    ({"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}}, "compress_rates"),
-    ({"compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 128}}, "compress_rates"),
+    ({"compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 128}},
+     "compressed_sparse_attention rate 8"),
+    ({"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 4}},
+     "heavily_compressed_attention rate 4"),
     ({"mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]}, "mlp_layer_types"),
     ({"n_shared_experts": 2}, "n_shared_experts = 2"),
     ({"swiglu_limit": 0.0}, "swiglu_limit"),
@@ -446,6 +448,23 @@ def test_refused_configs(tiny, tmp_path, update, match):
     with pytest.raises(ConvertError, match=match):
         convert(d, tmp_path / "x.gguf", "f32", progress=False)
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()
+
+
+def test_other_hca_ratio_is_written(tmp_path, caplog):
+    """An HCA rate other than DeepSeek's 128 is a deepseek4 file all the same (ratio != 4 means
+    HCA; llama.cpp's loader runs 128 only, which the converter warns about)."""
+    lt = ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+          "heavily_compressed_attention"]
+    model = fx.make_tiny_deepseek4(tmp_path / "hf", layer_types=lt,
+                                   compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
+    with caplog.at_level("WARNING", logger="tensorfold.convert"):
+        out = convert(tmp_path / "hf", tmp_path / "hca8.gguf", "f32", progress=False)
+    assert "runs ratios 0, 4 and 128 only" in caplog.text
+    assert list(kv_of(gguf.GGUFReader(out))[f"{A}.attention.compress_ratios"]) == [8, 4, 0, 8]
+    want, got = expected_tensors(model), tensors_of(out)
+    assert sorted(got) == sorted(want)
+    assert shape_np(got["blk.0.attn_compressor_ape.weight"]) == (8, 128)
+    assert all(np.array_equal(np.asarray(got[n].data), w) for n, w in want.items())
 
 
 def test_tensor_mismatches_are_refused(tiny, tmp_path):
@@ -722,8 +741,9 @@ def test_llama_cpp_runs_official_conversion(official, tmp_path):
 
 
 @pytest.mark.parametrize("edit,match", [
-    ({"compress_ratios": [0, 4, 128, 4, 4]}, "MTP layer 0 ratio 4"),
-    ({"compress_ratios": [0, 4, 8, 4, 0]}, r"compress_ratios \[8\]"),
+    ({"compress_ratios": [0, 4, 128, 4, 4]}, r"mtp\.0\.attn\.compressor\.wkv\.weight is missing"),
+    ({"compress_ratios": [0, 4, 8, 4, 0]}, r"layers\.2\.attn\.compressor\.ape has shape \[128, 128\], expected \[8, 128\]"),
+    ({"compress_ratios": [0, 4, -1, 4, 0]}, r"compress_ratios \[-1\] are not ratios"),
     ({"num_hash_layers": 3}, "hash-routed|tid2eid"),
     ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers = 2"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
