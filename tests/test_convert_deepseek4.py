@@ -742,7 +742,8 @@ def test_llama_cpp_runs_official_conversion(official, tmp_path):
 
 @pytest.mark.parametrize("edit,match", [
     ({"compress_ratios": [0, 4, 128, 4, 4]}, r"mtp\.0\.attn\.compressor\.wkv\.weight is missing"),
-    ({"compress_ratios": [0, 4, 8, 4, 0]}, r"layers\.2\.attn\.compressor\.ape has shape \[128, 128\], expected \[8, 128\]"),
+    ({"compress_ratios": [0, 4, 8, 4, 0]},
+     r"layers\.2\.attn\.compressor\.ape has shape \[128, 128\], expected \[8, 128\]"),
     ({"compress_ratios": [0, 4, -1, 4, 0]}, r"compress_ratios \[-1\] are not ratios"),
     ({"num_hash_layers": 3}, "hash-routed|tid2eid"),
     ({"num_nextn_predict_layers": 2}, "num_nextn_predict_layers = 2"),
