@@ -60,11 +60,14 @@ bytes holding element j in the low and j+16 in the high nibble; the e2m1 codes a
 kvalues_mxfp4 order); every other weight (FP8 ones dequantized exactly: e4m3 value times a
 power of two) in ``outtype`` (``q8_0`` falls back to F16 for rows not a multiple of 32).
 
-Refused with a ConvertError naming the field: what llama.cpp's deepseek4 cannot run as the
-model is defined — scoring other than sqrtsoftplus, hc_mult other than 4, compression rates
-other than CSA 4 / HCA 128, hash routing on other than the first layers, rope scaling on the
-sliding layers or of a kind other than YaRN with attention factor 1, grouped routing, more
-than one shared expert, a non-positive swiglu_limit, MTP layers with compressed attention.
+Refused with a ConvertError naming the field: what deepseek4 as llama.cpp defines it cannot
+express — scoring other than sqrtsoftplus, hc_mult other than 4, a CSA rate other than 4 (the
+ratio 4 is what marks a CSA layer) or an HCA rate of 4, hash routing on other than the first
+layers, rope scaling on the sliding layers or of a kind other than YaRN with attention factor
+1, grouped routing, more than one shared expert, a non-positive swiglu_limit. Written with a
+warning, because the file describes them but llama.cpp's implementation does not run them:
+HCA ratios other than 128 (its loader refuses), MTP layers with compressed attention, an
+index_head_dim that is not a multiple of 64, a model without CSA layers.
 ``norm_topk_prob``: transformers and DeepSeek's reference normalise the top-k weights of a
 sqrtsoftplus router whatever it says, so ``expert_weights_norm`` is always written true.
 """
@@ -106,7 +109,7 @@ _DEFAULTS = dict(
     rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
 )
 _DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-_CSA, _HCA = 4, 128  # the only compression ratios llama.cpp's deepseek4 runs
+_CSA, _HCA = 4, 128  # CSA is ratio 4 by definition; 128 is the only HCA ratio llama.cpp's deepseek4 runs
 _FP4_BLOCK = 32
 
 
@@ -269,7 +272,11 @@ def _rope_dim(cfg: dict, head_dim: int) -> int:
 
 
 def _ratios(cfg: dict, n_layer: int) -> tuple[list[int], list[int]]:
-    """Per-layer compression ratios (0 / 4 / 128) of the main layers and of the MTP layers."""
+    """Per-layer compression ratios of the main layers and of the MTP layers. In deepseek4 the
+    ratio alone says what a layer is: 0 sliding window only, 4 compressed sparse attention
+    (overlapping windows + lightning indexer), any other heavily compressed attention. So a
+    CSA rate other than 4, or an HCA rate of 4, cannot be written; an HCA rate other than
+    DeepSeek's 128 can (llama.cpp's loader runs 128 only: warned)."""
     layer_types = cfg.get("layer_types")
     listed = cfg.get("compress_ratios")
     if layer_types is not None:
@@ -283,11 +290,14 @@ def _ratios(cfg: dict, n_layer: int) -> tuple[list[int], list[int]]:
                           ("compress_rate_hca", "heavily_compressed_attention")):
             if cfg.get(key) is not None:
                 rates[kind] = cfg[key]
-        if rates["compressed_sparse_attention"] != _CSA or rates["heavily_compressed_attention"] != _HCA:
-            raise ConvertError(f"config.json: compress_rates {rates} cannot be represented: llama.cpp's deepseek4 "
-                               f"runs compressed sparse attention at rate {_CSA} and heavily compressed attention at "
-                               f"{_HCA} only")
-        kinds = {"sliding_attention": 0, "compressed_sparse_attention": _CSA, "heavily_compressed_attention": _HCA}
+        csa, hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
+        if csa != _CSA:
+            raise ConvertError(f"config.json: compress_rates gives compressed_sparse_attention rate {csa!r}; deepseek4 "
+                               f"marks a CSA layer by its ratio {_CSA}, so no other rate can be represented")
+        if not _is_int(hca) or hca <= 0 or hca == _CSA:
+            raise ConvertError(f"config.json: compress_rates gives heavily_compressed_attention rate {hca!r}; "
+                               f"deepseek4 needs a positive ratio other than {_CSA} (which marks CSA layers)")
+        kinds = {"sliding_attention": 0, "compressed_sparse_attention": _CSA, "heavily_compressed_attention": hca}
         if not isinstance(layer_types, list) or len(layer_types) < n_layer or \
                 any(t not in kinds for t in layer_types):
             raise ConvertError(f"config.json: layer_types must name one of {sorted(kinds)} for each of the {n_layer} "
@@ -301,10 +311,16 @@ def _ratios(cfg: dict, n_layer: int) -> tuple[list[int], list[int]]:
     else:  # transformers' default schedule: two HCA layers, then CSA / HCA alternating
         ratios = [_HCA] * min(n_layer, 2) + [_CSA if i % 2 else _HCA for i in range(max(n_layer - 2, 0))]
         extra = []
-    bad = sorted({r for r in ratios + extra if r not in (0, _CSA, _HCA)})
+    bad = sorted({r for r in ratios + extra if not _is_int(r) or r < 0})
     if bad:
-        raise ConvertError(f"config.json: compress_ratios {bad} cannot be represented: llama.cpp's deepseek4 runs "
-                           f"ratios 0 (sliding window), {_CSA} (CSA) and {_HCA} (HCA) only")
+        raise ConvertError(f"config.json: compress_ratios {bad} are not ratios (0, {_CSA} or a positive HCA ratio)")
+    other = sorted({r for r in ratios + extra if r not in (0, _CSA, _HCA)})
+    if other:
+        log.warning("compression ratios %s: llama.cpp's deepseek4 loader runs ratios 0, %d and %d only (the file "
+                    "describes the model; llama.cpp will refuse to load it)", other, _CSA, _HCA)
+    if not any(r == _CSA for r in ratios):
+        log.warning("no compressed-sparse-attention layer: llama.cpp's deepseek4 (as vendored in "
+                    "llama-cpp-python 0.3.36) fails creating a context for such a model (division by zero)")
     return ratios, extra
 
 
@@ -805,10 +821,10 @@ def plan(p: V4Params, rd: _Reader) -> list[_Out]:
         i = p.n_layer + j
         ratio = p.mtp_ratios[j] if j < len(p.mtp_ratios) else 0
         if ratio:
-            raise ConvertError(f"config.json: compress_ratios gives MTP layer {j} ratio {ratio}; llama.cpp's deepseek4 "
-                               "runs MTP layers with sliding-window attention only (0)")
+            log.warning("config.json: compress_ratios gives MTP layer %d ratio %d; llama.cpp's deepseek4 runs MTP "
+                        "layers with sliding-window attention only (0)", j, ratio)
         pre, b = f"mtp.{j}", f"blk.{i}"
-        add_layer(i, pre, 0, False)
+        add_layer(i, pre, ratio, False)
         for c in (f"{pre}.e_proj.weight", f"{pre}.h_proj.weight"):
             expect(c, (E, E))
             rd.use(c)
@@ -930,7 +946,8 @@ def model_kv(p: V4Params, name: str, file_type: int) -> list[tuple[str, str, Any
         (f"{a}.attention.indexer.top_k", "u32", p.idx_topk),
         (f"{a}.attention.output_group_count", "u32", p.o_groups),
         (f"{a}.attention.output_lora_rank", "u32", p.o_lora),
-        (f"{a}.attention.compress_ratios", "arr", [int(r) for r in p.ratios] + [0] * p.n_mtp),
+        (f"{a}.attention.compress_ratios", "arr",
+         [int(r) for r in p.ratios] + [int(p.mtp_ratios[j]) if j < len(p.mtp_ratios) else 0 for j in range(p.n_mtp)]),
         (f"{a}.attention.compress_rope_freq_base", "f32", p.compress_base),
         (f"{a}.hyper_connection.count", "u32", p.hc),
         (f"{a}.hyper_connection.sinkhorn_iterations", "u32", p.hc_iters),
