@@ -190,7 +190,7 @@ void SharedKvAttention::plan_scratch(Scratch& s, int64_t T) {
   rows_ = s.ptrs("attn.rows", T * 2 * std::max<int64_t>(1, ratio_));
   part_ = o_split_ > 0 ? s.f32("part", T * E) : nullptr;
   for (const Weight* w : {&wq_a_, &wq_b_, &wkv_, &wo_b_}) s.product(*w, T);
-  s.product(wo_a_, T);
+  s.product(wo_a_, T * G);  // the batched form: T rows for each group
   if (ratio_ > 0) {
     const int64_t n_ent = T;  // entries a batch can complete: one per token at most (one per sequence)
     state_ = s.f32("attn.state", T * state_dim_);
