@@ -245,18 +245,24 @@ void bind_array(py::module_& m) {
 void bind_gguf(py::module_& m) {
   bind_array(m);
   m.def("kv_bytes_per_token",
-        [](std::shared_ptr<GgufFile> f, const std::string& kv_type) {
+        [](std::shared_ptr<GgufFile> f, const std::string& kv_type, bool per_sequence) -> py::object {
           if (kv_type != "f16" && kv_type != "f32") throw py::value_error("kv_type must be 'f16' or 'f32'");
           TpShard sizes;
           sizes.plan_only = true;
           const Model m(f, nullptr, sizes);  // refuses what the engine refuses; reads only the header
-          uint64_t b = 0;
-          for (const KvGroupPlan& g : KvCache::plan(m.kv_specs(), 16, kv_type == "f32" ? KvType::F32 : KvType::F16, false))
+          uint64_t b = 0, s = 0;
+          // A long pool and one sequence: window groups count per sequence (a window and one token).
+          const KvSizing one{int64_t(1) << 30, 1, 1};
+          for (const KvGroupPlan& g : KvCache::plan(m.kv_specs(), one, kv_type == "f32" ? KvType::F32 : KvType::F16, false)) {
             b += g.bytes_per_token;
-          return b;
+            s += g.bytes_per_seq;
+          }
+          if (per_sequence) return py::make_tuple(b, s);
+          return py::int_(b);
         },
-        py::arg("file"), py::arg("kv_type") = "f16",
-        "KV cache bytes one token takes in a TensorFold engine on this model (all layers, TP=1)");
+        py::arg("file"), py::arg("kv_type") = "f16", py::arg("per_sequence") = false,
+        "KV cache bytes one token takes in a TensorFold engine on this model (all layers, TP=1); with "
+        "per_sequence, also the bytes a sequence's sliding windows take (bytes_per_token, bytes_per_seq)");
   py::class_<GgufFile, std::shared_ptr<GgufFile>>(m, "GgufFile",
                                                   "A memory-mapped, fully validated GGUF file.")
       .def(py::init([](const py::object& path) {

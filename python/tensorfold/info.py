@@ -149,8 +149,9 @@ def describe(model: str, show_tensors: bool = False) -> str:
         if v is not None:
             lines.append(f"  {key + ':':<26}{_show(v)}")
     try:
-        kv = _core.kv_bytes_per_token(f)
-        lines.append(f"kv cache:      {kv} bytes per token (F16), {human_size(kv * 1024)} per 1K tokens")
+        kv, per_seq = _core.kv_bytes_per_token(f, per_sequence=True)
+        lines.append(f"kv cache:      {kv} bytes per token (F16), {human_size(kv * 1024)} per 1K tokens"
+                     + (f" + {human_size(per_seq)} per sequence (sliding windows, at most)" if per_seq else ""))
     except ValueError as e:  # an architecture or layout the engine refuses: say so, keep going
         lines.append(f"kv cache:      - ({str(e).splitlines()[0]})")
     tok = md.get("tokenizer.ggml.tokens")
@@ -178,7 +179,7 @@ def describe(model: str, show_tensors: bool = False) -> str:
             n *= d
         n_el[t["type"]] += n
         n_by[t["type"]] += t["nbytes"]
-        if not t["supported"]:
+        if not t["supported"] and t["type"] not in ("I8", "I16", "I32"):  # integer tables (e.g. hash routing)
             unsupported.add(t["type"])
     total_el = sum(n_el.values())
     total_by = sum(n_by.values())
