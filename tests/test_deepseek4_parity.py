@@ -286,3 +286,40 @@ def test_tp2_equals_tp1_bit_for_bit(model):
     finally:
         err = pair.close()
     assert pair.worker.returncode == 0, err
+
+
+def test_prefix_cache_is_exact(model):
+    # A second prompt sharing a prefix with a finished one reuses its cached blocks in every
+    # stream (window rows, the compressors' pending rows, compressed entries, indexer keys), up
+    # to a length every stream's blocks align to (16 entries: 16 tokens of window rows, 64 of
+    # CSA entries, 128 of ratio-8 entries, 2048 of ratio-128 ones); the continuation is the one a
+    # cold engine gives.
+    name, hf, path, long = model
+    shared = long[:150] if len(long) >= 150 else (long * 2)[:150]
+    a, b = shared + [5, 6, 7], shared + [9, 10, 11, 12]
+    cold = _engine(path, prefix_cache=False).generate(b, max_tokens=10, temperature=0, ignore_eos=True).token_ids
+    warm = _engine(path)
+    warm.generate(a, max_tokens=4, temperature=0, ignore_eos=True)
+    got = warm.generate(b, max_tokens=10, temperature=0, ignore_eos=True).token_ids
+    assert got == cold
+    ratios = [hf.config.compress_rates[k] for k in hf.config.layer_types if k != "sliding_attention"]
+    align = 16 * max(ratios)
+    assert warm.stats()["prefix_cached_tokens"] == (len(shared) // align) * align
+
+
+def test_next_token_prediction_layer_is_loaded_and_kept(tmp_path):
+    # DeepSeek's release layout carries an MTP layer; the converter keeps it as llama.cpp's
+    # nextn layer (blk.4.*), and the engine loads it beside the 4 ordinary layers without
+    # running it. Its FP4 experts (MXFP4) meet 8-bit activations, so the logits follow the exact
+    # forward of the file's weights closely only until a routing near-tie (see above): the first
+    # positions are checked.
+    official = Path(__file__).parent / "fixtures" / "deepseek4" / "official"
+    with_mtp = tmp_path / "mtp.gguf"
+    convert(str(official), str(with_mtp), "f32", progress=False)
+    eng = _engine(str(with_mtp))
+    assert eng.config["n_layer"] == 4 and eng.config["nextn_layers"] == 1
+    ids = v4.prompt_ids(40)
+    exact = _exact_model_of(with_mtp)
+    with torch.no_grad():
+        ref = exact(torch.tensor([ids])).logits[0].numpy()
+    _assert_close("official+mtp", eng.logits(ids)[:4], ref[:4], 2e-2)

@@ -307,6 +307,7 @@ void bind_engine(py::module_& m) {
         d["name"] = c.name;
         d["n_embd"] = c.n_embd;
         d["n_layer"] = c.n_layer;
+        d["nextn_layers"] = c.n_nextn;  // next-token-prediction layers, loaded and kept (not run)
         d["n_head"] = c.n_head;
         d["n_head_kv"] = c.n_head_kv;
         d["head_dim"] = c.head_dim;

@@ -30,6 +30,18 @@ Model::Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp)
     layers_[size_t(il)].attn = make_attention(cfg_.layer_attention[size_t(il)], c);
     layers_[size_t(il)].ffn = make_ffn(c);
   }
+  for (int j = 0; j < cfg_.n_nextn; ++j) {
+    const int il = cfg_.n_layer + j;
+    const BlockContext c{cfg_, loader_, il, "blk." + std::to_string(il) + "."};
+    NextnLayer n;
+    n.blocks.attn = make_attention(nextn_attention(il), c);
+    n.blocks.ffn = make_ffn(c);
+    n.eh_proj = loader_.weight(c.prefix + "nextn.eh_proj.weight", 2 * E, E);
+    n.enorm = loader_.vector(c.prefix + "nextn.enorm.weight", E);
+    n.hnorm = loader_.vector(c.prefix + "nextn.hnorm.weight", E);
+    n.head_norm = loader_.vector(c.prefix + "nextn.shared_head_norm.weight", E, false);
+    nextn_.push_back(std::move(n));
+  }
   residual_ = make_residual(cfg_, loader_);
   vocab_begin_ = 0;
   vocab_end_ = cfg_.n_vocab;
@@ -53,6 +65,12 @@ Model::Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp)
 }
 
 Model::~Model() = default;
+
+AttentionKind Model::nextn_attention(int il) const {
+  if (cfg_.compress_ratio.empty()) return cfg_.attention;
+  const int r = cfg_.compress_ratio[size_t(il)];
+  return r == 0 ? AttentionKind::SharedKvWindow : r == 4 ? AttentionKind::SharedKvSparse : AttentionKind::SharedKvCompressed;
+}
 
 std::vector<KvSpec> Model::kv_specs() const {
   std::vector<KvSpec> out;

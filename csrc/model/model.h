@@ -36,6 +36,7 @@ class Model {
   const ModelConfig& config() const { return cfg_; }
   const TpShard& tp() const { return tp_; }
   const GgufFile& file() const { return *file_; }
+  int nextn_layers() const { return int(nextn_.size()); }
   uint64_t weight_bytes() const { return loader_.bytes(); }
   // What each layer keeps in the KV cache (this rank's share).
   std::vector<KvSpec> kv_specs() const;
@@ -68,6 +69,7 @@ class Model {
     std::unique_ptr<FfnBlock> ffn;
   };
   void plan(Scratch& s, int64_t T);
+  AttentionKind nextn_attention(int il) const;
   void head(StepContext& ctx, const float* h, float* logits);
 
   std::shared_ptr<GgufFile> file_;
@@ -78,6 +80,15 @@ class Model {
   Weight tok_embd_, output_;
   const float* output_norm_ = nullptr;
   std::vector<Layer> layers_;
+  // Next-token-prediction layers (a draft head: the embedding of the next token and the last
+  // hidden state, normed and projected, through one more layer): loaded and kept, not run by
+  // forward.
+  struct NextnLayer {
+    Layer blocks;
+    Weight eh_proj;  // [2 n_embd] -> n_embd: (enorm(embedding), hnorm(hidden))
+    const float *enorm = nullptr, *hnorm = nullptr, *head_norm = nullptr;
+  };
+  std::vector<NextnLayer> nextn_;
   std::unique_ptr<ResidualPolicy> residual_;
   int64_t vocab_begin_ = 0, vocab_end_ = 0;  // this rank's rows of the LM head
   int max_tokens_ = 0;
