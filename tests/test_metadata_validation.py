@@ -325,7 +325,7 @@ def test_architecture_errors_come_from_the_table(tmp_path, spec):
         engine(path)
     msg = str(ei.value)
     assert "'gpt2'" in msg and ("supported: llama (incl. mixtral), qwen2, qwen2moe, qwen3, qwen3moe, "
-                                "deepseek2 (DeepSeek V2/V3/R1, Kimi-K2, Moonlight))") in msg
+                                "deepseek2 (DeepSeek V2/V3/R1, Kimi-K2, Moonlight), deepseek4 (DeepSeek V4))") in msg
     path = write_gguf(tmp_path / "ds.gguf", md, tensors, arch=b"deepseek2")
     expect_value_error(lambda: engine(path), "metadata key 'deepseek2.", "is missing")
 

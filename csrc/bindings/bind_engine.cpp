@@ -345,6 +345,9 @@ void bind_engine(py::module_& m) {
         d["active_requests"] = active;
         d["kv_tokens"] = e.kv_tokens();
         d["kv_bytes_per_token"] = e.kv_bytes_per_token();
+        uint64_t per_seq = 0;  // sliding windows: bytes a sequence's rows may take, not per token
+        for (const KvGroupPlan& g : e.memory_plan().kv_groups) per_seq += g.bytes_per_seq;
+        d["kv_bytes_per_seq"] = per_seq;
         d["free_kv_tokens"] = free_kv;
         d["prefix_cache_hits"] = s.prefix_cache_hits;
         d["prefix_cached_tokens"] = s.prefix_cached_tokens;
