@@ -39,6 +39,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from checkpoint_helpers import make_bpe_tokenizer
+
 VOCAB = 320          # config vocab_size; the tokenizer has fewer tokens (the tail is padding)
 TOKENIZER_SIZE = 300
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
@@ -130,17 +132,7 @@ def make_model(seed: int = SEED, **overrides):
 
 def make_tokenizer():
     """A tiny byte-level BPE (GPT-2 pre-tokenizer regex) as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_SIZE, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXT * 8, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL[0], eos_token=SPECIAL[1],
-                                   pad_token=SPECIAL[2])
+    return make_bpe_tokenizer(TEXT, TOKENIZER_SIZE, SPECIAL)
 
 
 def save_tokenizer(out_dir) -> None:

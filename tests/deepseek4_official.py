@@ -59,7 +59,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -68,6 +67,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import deepseek4_fixture as fx  # noqa: E402
+from checkpoint_helpers import run_llama_cpp_converter  # noqa: E402
 
 DEFAULT_LLAMA_CPP = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp")
 DEFAULT_OUT = HERE / "fixtures" / "deepseek4"
@@ -386,26 +386,6 @@ def write_official(out_dir, seed: int = fx.SEED) -> dict:
     return stored
 
 
-_WRAPPER = r"""
-import runpy, sys
-sys.path.insert(0, sys.argv[1])
-import conversion.base as base
-# Only change: the tiny tokenizer's hash is unknown to llama.cpp; its pre-tokenizer is GPT-2's.
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-script = sys.argv[1] + "/convert_hf_to_gguf.py"
-sys.argv = [script] + sys.argv[2:]
-runpy.run_path(script, run_name="__main__")
-"""
-
-
-def run_llama_cpp(llama_cpp: Path, hf_dir: Path, out: Path, *extra: str) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(llama_cpp / "gguf-py"), str(llama_cpp)])
-    env.pop("NO_LOCAL_GGUF", None)
-    cmd = [sys.executable, "-c", _WRAPPER, str(llama_cpp), str(hf_dir), "--outfile", str(out), *extra]
-    subprocess.run(cmd, check=True, env=env)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", default=DEFAULT_LLAMA_CPP, type=Path,
@@ -418,8 +398,8 @@ def main() -> int:
     if not a.no_llama_cpp:
         if not (a.llama_cpp / "convert_hf_to_gguf.py").is_file():
             ap.error(f"{a.llama_cpp}/convert_hf_to_gguf.py not found")
-        run_llama_cpp(a.llama_cpp, official, a.out / "llamacpp.gguf")
-        run_llama_cpp(a.llama_cpp, official, a.out / "llamacpp-mtp.gguf", "--mtp")
+        run_llama_cpp_converter(a.llama_cpp, official, a.out / "llamacpp.gguf")
+        run_llama_cpp_converter(a.llama_cpp, official, a.out / "llamacpp-mtp.gguf", "--mtp")
     size = sum(p.stat().st_size for p in a.out.rglob("*") if p.is_file())
     print(f"{a.out} ({size / 1e6:.2f} MB)")
     return 0

@@ -28,6 +28,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("safetensors")
 
+from checkpoint_helpers import edited_checkpoint  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
@@ -95,20 +96,6 @@ def _hf(name: str) -> Path:
     if not (d / "model.safetensors").is_file():
         pytest.skip(f"fixture {d} missing (run tests/fixtures/deepseek2/make_deepseek2_fixtures.py)")
     return d
-
-
-def _copy(src: Path, dst: Path, cfg_update: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
-    """A checkpoint directory sharing src's weights (symlinks) with an edited config.json."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name != "config.json":
-            os.symlink(f, dst / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    for k in drop:
-        cfg.pop(k, None)
-    cfg.update(cfg_update or {})
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +237,7 @@ def test_rope_interleave_false_is_reordered(tmp_path):
 def test_no_scoring_func_writes_the_model_gating(tmp_path):
     """config.json without scoring_func / topk_method (transformers' own DeepseekV3Config has no
     such fields): V3 routers are sigmoid, so expert_gating_func says so."""
-    d = _copy(_hf("v3"), tmp_path / "m", drop=("scoring_func", "topk_method"))
+    d = edited_checkpoint(_hf("v3"), tmp_path / "m", drop=("scoring_func", "topk_method"))
     kv = _kv(gguf.GGUFReader(convert(d, tmp_path / "o.gguf", "f32", progress=False)))
     assert kv["deepseek2.expert_gating_func"][0] == 2
 
@@ -266,7 +253,7 @@ def test_no_scoring_func_writes_the_model_gating(tmp_path):
     ("v2lite", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 4}, None),
 ])
 def test_expert_groups(tmp_path, name, update, groups):
-    d = _copy(_hf(name), tmp_path / "m", update)
+    d = edited_checkpoint(_hf(name), tmp_path / "m", update)
     kv = _kv(gguf.GGUFReader(convert(d, tmp_path / "o.gguf", "f32", progress=False)))
     got = (kv["deepseek2.expert_group_count"][0], kv["deepseek2.expert_group_used_count"][0]) \
         if "deepseek2.expert_group_count" in kv else None
@@ -280,7 +267,7 @@ def test_mtp_layers_are_skipped(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     src = _hf("v3")
-    d = _copy(src, tmp_path / "m")
+    d = edited_checkpoint(src, tmp_path / "m")
     st = load_file(str(src / "model.safetensors"))
     st["model.layers.3.eh_proj.weight"] = np.ones((96, 192), np.float32)
     st["model.layers.3.self_attn.kv_b_proj.weight"] = np.ones((220, 48), np.float32)
@@ -322,7 +309,7 @@ def test_mtp_layers_are_skipped(tmp_path):
     ("v3", {"architectures": ["DeepseekV2ForCausalLM"]}, "scoring_func 'sigmoid'"),
 ])
 def test_refused(tmp_path, name, update, match):
-    d = _copy(_hf(name), tmp_path / "m", update)
+    d = edited_checkpoint(_hf(name), tmp_path / "m", update)
     with pytest.raises(ConvertError, match=match):
         convert(d, tmp_path / "x.gguf", "f32", progress=False)
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()
@@ -332,7 +319,7 @@ def test_v2_correction_bias_is_refused(tmp_path):
     from safetensors.numpy import load_file, save_file
 
     src = _hf("v2lite")
-    d = _copy(src, tmp_path / "m")
+    d = edited_checkpoint(src, tmp_path / "m")
     st = load_file(str(src / "model.safetensors"))
     st["model.layers.1.mlp.gate.e_score_correction_bias"] = np.zeros(12, np.float32)
     (d / "model.safetensors").unlink()

@@ -42,6 +42,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deepseek4_fixture as fx  # noqa: E402
+from checkpoint_helpers import edited_checkpoint  # noqa: E402
 
 from tensorfold.convert import ConvertError, add_parser, convert  # noqa: E402
 
@@ -246,20 +247,6 @@ def _llama_logits(path, ids, n_batch=512) -> np.ndarray:
         ll.close()
 
 
-def _copy(src: Path, dst: Path, cfg_update: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
-    """A checkpoint directory sharing src's files (symlinks) with an edited config.json."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name != "config.json":
-            os.symlink(f, dst / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    for k in drop:
-        cfg.pop(k, None)
-    cfg.update(cfg_update or {})
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 # ----------------------------------------------------------------------------------------
 # the transformers layout
 
@@ -444,7 +431,7 @@ def test_cli(tiny, tmp_path):
 ])
 def test_refused_configs(tiny, tmp_path, update, match):
     hf, _, _ = tiny
-    d = _copy(hf, tmp_path / "edited", update)
+    d = edited_checkpoint(hf, tmp_path / "edited", update)
     with pytest.raises(ConvertError, match=match):
         convert(d, tmp_path / "x.gguf", "f32", progress=False)
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()
@@ -473,7 +460,7 @@ def test_tensor_mismatches_are_refused(tiny, tmp_path):
     hf, _, _ = tiny
     lt = ["sliding_attention", "heavily_compressed_attention", "heavily_compressed_attention",
           "compressed_sparse_attention"]
-    d = _copy(hf, tmp_path / "edited", {"layer_types": lt})
+    d = edited_checkpoint(hf, tmp_path / "edited", {"layer_types": lt})
     with pytest.raises(ConvertError, match=r"model\.layers\.1\.attn\.compressor\.wkv\.weight has shape"):
         convert(d, tmp_path / "x.gguf", "f32", progress=False)
 
@@ -752,6 +739,6 @@ def test_llama_cpp_runs_official_conversion(official, tmp_path):
     ({"quantization_config": {"weight_block_size": [64, 64]}}, r"wq_a\.scale has shape"),
 ])
 def test_official_refusals(tmp_path, edit, match):
-    d = _copy(_official(), tmp_path / "edited", edit)
+    d = edited_checkpoint(_official(), tmp_path / "edited", edit)
     with pytest.raises(ConvertError, match=match):
         convert(d, tmp_path / "x.gguf", "f32", progress=False)

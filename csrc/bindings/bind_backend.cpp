@@ -55,6 +55,26 @@ bool holds(const KvLayer& l, int seq, int64_t e) {
   return e >= 0 && b < int64_t(table.size()) && table[size_t(b)] >= 0;
 }
 
+// The fields both attention bindings fill alike: T query tokens q [T, HQ, D] over n_cache_heads
+// cache heads, written to out [T, HQ, v_dim]. Sinks and a second layer are the caller's.
+void fill_attention_batch(AttentionBatch& a, const carray<float>& q, py::array_t<float>& out, int64_t n_cache_heads,
+                          int64_t v_dim, const int32_t* seq, const int64_t* end, int64_t window, float scale) {
+  const int64_t T = q.shape(0), HQ = q.shape(1), D = q.shape(2);
+  a.q = q.data();
+  a.q_stride = HQ * D;
+  a.out = out.mutable_data();
+  a.out_stride = HQ * v_dim;
+  a.T = T;
+  a.seq = seq;
+  a.end = end;
+  a.window = window;
+  a.n_cache_heads = int(n_cache_heads);
+  a.group = int(HQ / n_cache_heads);
+  a.head_dim = int(D);
+  a.v_dim = int(v_dim);
+  a.scale = scale;
+}
+
 KvType kv_type_of(const std::string& t) {
   TF_CHECK(t == "f16" || t == "f32", "kv_type must be 'f16' or 'f32'");
   return t == "f32" ? KvType::F32 : KvType::F16;
@@ -302,19 +322,7 @@ void bind_backend(py::module_& m) {
                if (!latent) b.store_rows(v.data(), v_dim, v_dim, vrows.data(), n * HK, type);
                std::vector<int32_t> seqs(size_t(T), seq);
                AttentionBatch a;
-               a.q = q.data();
-               a.q_stride = HQ * D;
-               a.out = out.mutable_data();
-               a.out_stride = HQ * v_dim;
-               a.T = T;
-               a.seq = seqs.data();
-               a.end = ends.data();
-               a.window = window;
-               a.n_cache_heads = int(HK);
-               a.group = int(HQ / HK);
-               a.head_dim = int(D);
-               a.v_dim = int(v_dim);
-               a.scale = scale;
+               fill_attention_batch(a, q, out, HK, v_dim, seqs.data(), ends.data(), window, scale);
                b.attention(a, layer);
              }
              return out;
@@ -384,19 +392,7 @@ void bind_backend(py::module_& m) {
                TF_CHECK(count_obj.is_none() && list_obj.is_none(), "extra entries need extra_layer");
              }
              py::array_t<float> out({T, HQ, v_dim});
-             a.q = q.data();
-             a.q_stride = HQ * D;
-             a.out = out.mutable_data();
-             a.out_stride = HQ * v_dim;
-             a.T = T;
-             a.seq = seqs.data();
-             a.end = ends.data();
-             a.window = window;
-             a.n_cache_heads = int(HK);
-             a.group = int(HQ / HK);
-             a.head_dim = int(D);
-             a.v_dim = int(v_dim);
-             a.scale = scale;
+             fill_attention_batch(a, q, out, HK, v_dim, seqs.data(), ends.data(), window, scale);
              {
                py::gil_scoped_release nogil;
                b.attention(a, l);

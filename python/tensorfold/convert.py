@@ -62,7 +62,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -84,7 +84,7 @@ OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
 # GGML type ids (gguf.GGMLQuantizationType) and llama file types (gguf.LlamaFileType), kept
 # here as plain numbers so the module imports without the gguf package.
-_GGML_F32, _GGML_F16, _GGML_Q8_0, _GGML_BF16 = 0, 1, 8, 30
+_GGML_F32, _GGML_F16, _GGML_Q8_0, _GGML_I32, _GGML_BF16 = 0, 1, 8, 26, 30
 _FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
 _TYPE_NAME = {_GGML_F32: "F32", _GGML_F16: "F16", _GGML_Q8_0: "Q8_0", _GGML_BF16: "BF16"}
 
@@ -110,30 +110,13 @@ class _Source:
         from safetensors import safe_open
 
         self._safe_open = safe_open
-        index_path = os.path.join(hf_dir, "model.safetensors.index.json")
-        if os.path.isfile(index_path):
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ConvertError(f"{index_path}: no 'weight_map' in the index")
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
-            if not files:
-                if any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(hf_dir)):
-                    raise ConvertError(
-                        f"{hf_dir}: only PyTorch pickle weights (*.bin) found; re-save the model with "
-                        "save_pretrained(..., safe_serialization=True) to get *.safetensors")
-                raise ConvertError(f"{hf_dir}: no *.safetensors weights found")
-        self.files = [os.path.join(hf_dir, n) for n in files]
+        self.files = _shard_paths(hf_dir)
         self.file_of: dict[str, int] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}
         self._handles: dict[int, Any] = {}
         self._headers: dict[int, tuple[int, dict]] = {}
-        for i, path in enumerate(self.files):
-            if not os.path.isfile(path):
-                raise ConvertError(f"shard {path} listed in the index is missing")
+        for i in range(len(self.files)):
             h = self._handle(i)
             for name in h.keys():
                 if name in self.file_of:
@@ -176,23 +159,63 @@ class _Source:
         # widen them (bf16 is the top half of an f32).
         path = self.files[i]
         if i not in self._headers:
-            with open(path, "rb") as f:
-                (hlen,) = np.frombuffer(f.read(8), dtype="<u8")
-                self._headers[i] = (int(hlen), json.loads(f.read(int(hlen))))
-        hlen, header = self._headers[i]
+            self._headers[i] = _safetensors_header(path)
+        data_start, header = self._headers[i]
         info = header[name]
         start, end = (int(x) for x in info["data_offsets"])
         shape = tuple(int(d) for d in info["shape"])
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if end - start != 2 * n:
             raise ConvertError(f"{path}: tensor {name} has inconsistent data offsets")
-        words = np.memmap(path, dtype="<u2", mode="r", offset=8 + int(hlen) + start, shape=(n,))
-        out = (words.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        words = np.memmap(path, dtype="<u2", mode="r", offset=data_start + start, shape=(n,))
+        out = _bf16_to_f32(words).reshape(shape)
         del words
         return out
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _shard_paths(hf_dir: str) -> list[str]:
+    """The checkpoint's safetensors files: the shards model.safetensors.index.json lists, else
+    every *.safetensors file in hf_dir; ConvertError when there is none or a listed one is
+    missing."""
+    index_path = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        weight_map = _read_json(index_path, "model.safetensors.index.json").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConvertError(f"{index_path}: no 'weight_map' in the index")
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+        if not files:
+            if any(n.endswith((".bin", ".pt", ".pth")) for n in os.listdir(hf_dir)):
+                raise ConvertError(
+                    f"{hf_dir}: only PyTorch pickle weights (*.bin) found; re-save the model with "
+                    "save_pretrained(..., safe_serialization=True) to get *.safetensors")
+            raise ConvertError(f"{hf_dir}: no *.safetensors weights found")
+    paths = [os.path.join(hf_dir, n) for n in files]
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ConvertError(f"shard {path} listed in the index is missing")
+    return paths
+
+
+def _safetensors_header(path: str) -> tuple[int, dict]:
+    """(file offset of the tensor data, the JSON header) of a safetensors file; the header's
+    data_offsets count from that offset."""
+    try:
+        with open(path, "rb") as f:
+            (hlen,) = np.frombuffer(f.read(8), dtype="<u8")
+            header = json.loads(f.read(int(hlen)))
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: cannot read safetensors header: {e}") from e
+    return 8 + int(hlen), header
+
+
+def _bf16_to_f32(words: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) as float32: a bf16 value is the top half of an f32."""
+    return (words.astype(np.uint32) << 16).view(np.float32)
 
 
 # --------------------------------------------------------------------------------------
@@ -871,30 +894,34 @@ def _plan_deepseek2_layers(p: _Params, src: _Source, add, add_experts) -> None:
 
 
 def _choose_types(outs: list[_Out], outtype: str) -> None:
-    from gguf.quants import quant_shape_to_byte_shape
-    from gguf import GGMLQuantizationType as Q
-
     for o in outs:
-        if o.keep_f32 or len(o.shape) == 1 or outtype == "f32":
-            t = _GGML_F32
-        elif outtype == "f16":
-            t = _GGML_F16
-        elif outtype == "bf16":
-            t = _GGML_BF16
+        if o.keep_f32 or len(o.shape) == 1:
+            o.ggml_type = _GGML_F32
         else:
-            if o.shape[-1] % 32 == 0:
-                t = _GGML_Q8_0
-            else:
-                t = _GGML_F16
-                o.note = f"row length {o.shape[-1]} is not a multiple of 32: stored as F16 instead of Q8_0"
-        o.ggml_type = t
-        n = int(np.prod(o.shape))
-        if t == _GGML_F32:
-            o.nbytes = 4 * n
-        elif t in (_GGML_F16, _GGML_BF16):
-            o.nbytes = 2 * n
-        else:
-            o.nbytes = int(np.prod(quant_shape_to_byte_shape(o.shape, Q(t))))
+            o.ggml_type, o.note = _weight_type(o.shape, outtype)
+        o.nbytes = _tensor_nbytes(o.shape, o.ggml_type)
+
+
+def _weight_type(shape: tuple[int, ...], outtype: str) -> tuple[int, str]:
+    """(GGML type, note for the log) of a weight of numpy ``shape`` written as ``outtype``:
+    Q8_0 blocks run along the rows, so rows that are not a multiple of 32 fall back to F16."""
+    if outtype == "f32":
+        return _GGML_F32, ""
+    if outtype == "f16":
+        return _GGML_F16, ""
+    if outtype == "bf16":
+        return _GGML_BF16, ""
+    if shape[-1] % 32 == 0:
+        return _GGML_Q8_0, ""
+    return _GGML_F16, f"row length {shape[-1]} is not a multiple of 32: stored as F16 instead of Q8_0"
+
+
+def _tensor_nbytes(shape: tuple[int, ...], ggml_type: int) -> int:
+    """Bytes of a tensor of numpy ``shape`` stored as ``ggml_type`` (plain or block type)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quant_shape_to_byte_shape
+
+    return int(np.prod(quant_shape_to_byte_shape(shape, Q(ggml_type))))
 
 
 def _encode(arr: np.ndarray, t: int) -> np.ndarray:
@@ -1229,6 +1256,75 @@ def _apply_kv(writer, kv: list[tuple[str, str, Any]]) -> None:
             raise AssertionError(kind)
 
 
+class _PlannedTensor(Protocol):
+    """What _write_gguf needs of an output tensor planned by a converter."""
+    name: str
+    shape: tuple[int, ...]  # numpy order (GGUF ne is the reverse)
+    ggml_type: int
+    nbytes: int             # what its data will hold, for the tensor table written first
+    note: str               # logged when the tensor is written ("" for none)
+
+
+def _write_gguf(out_path: str, arch: str, kv: list[tuple[str, str, Any]], tensors: Sequence[_PlannedTensor],
+                data_of: Callable[[Any], np.ndarray], *, progress: bool) -> None:
+    """Write the GGUF ``out_path``: the key/values ``kv`` and the table of ``tensors`` first,
+    then each tensor's encoded bytes ``data_of(tensor)``, one at a time, so that memory holds
+    one output tensor. Written as OUT_PATH.part and renamed when complete, so that an
+    interrupted run never leaves a truncated file under the real name."""
+    import gguf
+
+    numpy_dtype = {_GGML_F32: np.float32, _GGML_F16: np.float16, _GGML_I32: np.int32}
+    tmp_path = out_path + ".part"
+    writer = None
+    try:
+        writer = gguf.GGUFWriter(tmp_path, arch)
+        _apply_kv(writer, kv)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for t in tensors:
+            if t.ggml_type in numpy_dtype:
+                writer.add_tensor_info(t.name, t.shape, np.dtype(numpy_dtype[t.ggml_type]), t.nbytes)
+            else:  # block types and BF16: gguf takes the encoded bytes, told their type
+                writer.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes,
+                                       raw_dtype=gguf.GGMLQuantizationType(t.ggml_type))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(tensors), desc="convert", unit="tensor", file=sys.stderr)
+        try:
+            for t in tensors:
+                if t.note:
+                    msg = f"{t.name}: {t.note}"
+                    if bar is not None:  # bar.write keeps the bar whole; logged one level down, not shown twice
+                        bar.write(msg, file=sys.stderr)
+                        log.info(msg)
+                    else:
+                        log.warning(msg)
+                data = data_of(t)
+                if data.nbytes != t.nbytes:  # pragma: no cover - guarded by the plan
+                    raise ConvertError(f"{t.name}: {data.nbytes} bytes produced, {t.nbytes} planned")
+                writer.write_tensor_data(data)
+                del data
+                if bar is not None:
+                    bar.set_postfix_str(t.name, refresh=False)
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        writer.close()
+        writer = None
+        os.replace(tmp_path, out_path)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
+
+
 # --------------------------------------------------------------------------------------
 # entry points
 
@@ -1245,7 +1341,7 @@ def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool 
     docstring); it must be a name TensorFold's tokenizer knows.
     """
     try:
-        import gguf
+        import gguf  # noqa: F401 - only to fail early, with this message
     except ImportError as e:
         raise ConvertError("the converter needs the 'gguf' package: pip install gguf") from e
     if outtype not in OUTTYPES:
@@ -1265,66 +1361,28 @@ def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool 
     p = _params(cfg)
     tok_kv = _tokenizer_kv(hf_dir, p, cfg, pre)
     src = _Source(hf_dir)
-    tmp_path = out_path + ".part"
-    writer = None
     try:
         outs = _plan(p, src)
         _choose_types(outs, outtype)
-        name = cfg.get("_name_or_path") or os.path.basename(os.path.normpath(hf_dir)) or p.hf_arch
-        name = os.path.basename(str(name).rstrip("/")) or p.hf_arch
 
-        writer = gguf.GGUFWriter(tmp_path, p.arch)
-        _apply_kv(writer, _model_kv(p, name, outtype))
-        _apply_kv(writer, tok_kv)
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for o in outs:
-            raw = None if o.ggml_type in (_GGML_F32, _GGML_F16) else gguf.GGMLQuantizationType(o.ggml_type)
-            dt = np.float16 if o.ggml_type == _GGML_F16 else np.float32
-            writer.add_tensor_info(o.name, o.shape, np.dtype(dt), o.nbytes, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        def data_of(o: _Out) -> np.ndarray:
+            arr = o.make([src.get(s) for s in o.sources])
+            if arr.shape != o.shape:  # pragma: no cover - guarded by the plan
+                raise ConvertError(f"{o.name}: produced shape {arr.shape}, planned {o.shape}")
+            return _encode(arr, o.ggml_type)
 
         log.info("%s (%s) → %s: %d tensors, %s", hf_dir, p.hf_arch, out_path, len(outs), outtype)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(outs), desc="convert", unit="tensor", file=sys.stderr)
-        try:
-            for o in outs:
-                if o.note:
-                    msg = f"{o.name}: {o.note}"
-                    if bar is not None:
-                        bar.write(msg, file=sys.stderr)
-                        log.info(msg)
-                    else:
-                        log.warning(msg)
-                arr = o.make([src.get(s) for s in o.sources])
-                if arr.shape != o.shape:  # pragma: no cover - guarded by the plan
-                    raise ConvertError(f"{o.name}: produced shape {arr.shape}, planned {o.shape}")
-                data = _encode(arr, o.ggml_type)
-                del arr
-                writer.write_tensor_data(data)
-                del data
-                if bar is not None:
-                    bar.set_postfix_str(o.name, refresh=False)
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-        writer.close()
-        writer = None
-        os.replace(tmp_path, out_path)
-    except BaseException:
-        if writer is not None:
-            writer.close()
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
+        kv = _model_kv(p, _model_name(cfg, hf_dir, p.hf_arch), outtype) + tok_kv
+        _write_gguf(out_path, p.arch, kv, outs, data_of, progress=progress)
     finally:
         src.close()
     return out_path
+
+
+def _model_name(cfg: dict, hf_dir: str, default: str) -> str:
+    """general.name: the last part of config.json's _name_or_path, else the directory's name."""
+    name = cfg.get("_name_or_path") or os.path.basename(os.path.normpath(hf_dir)) or default
+    return os.path.basename(str(name).rstrip("/")) or default
 
 
 def _known_pre() -> list[str]:

@@ -73,20 +73,17 @@ sqrtsoftplus router whatever it says, so ``expert_weights_norm`` is always writt
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from .convert import _FILE_TYPE, ConvertError, _apply_kv, _encode, _read_json, _tokenizer_kv
+from .convert import (_FILE_TYPE, ConvertError, _bf16_to_f32, _encode, _model_name, _safetensors_header,
+                      _shard_paths, _tensor_nbytes, _tokenizer_kv, _weight_type, _write_gguf)
 
 log = logging.getLogger("tensorfold.convert")
 
@@ -94,7 +91,7 @@ ARCH = "deepseek4"
 HF_ARCH = "DeepseekV4ForCausalLM"
 
 # GGML type ids (gguf.GGMLQuantizationType) and the MXFP4-experts file type (gguf.LlamaFileType)
-_F32, _F16, _Q8_0, _I32, _BF16, _MXFP4 = 0, 1, 8, 26, 30, 39
+_F32, _F16, _I32, _MXFP4 = 0, 1, 26, 39
 _FILE_TYPE_MXFP4_MOE = 38
 _EXPERT_GATING_SQRTSOFTPLUS = 4  # gguf.ExpertGatingFuncType.SQRTSOFTPLUS
 
@@ -438,27 +435,9 @@ class _Raw:
     E8M0 as raw bytes)."""
 
     def __init__(self, hf_dir: str):
-        index = os.path.join(hf_dir, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            wm = (_read_json(index, "model.safetensors.index.json") or {}).get("weight_map")
-            if not isinstance(wm, dict) or not wm:
-                raise ConvertError(f"{index}: no 'weight_map' in the index")
-            files = sorted(set(wm.values()))
-        else:
-            files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
-            if not files:
-                raise ConvertError(f"{hf_dir}: no *.safetensors weights found")
         self.info: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
-        for fname in files:
-            path = os.path.join(hf_dir, fname)
-            if not os.path.isfile(path):
-                raise ConvertError(f"shard {path} listed in the index is missing")
-            try:
-                with open(path, "rb") as f:
-                    (hlen,) = np.frombuffer(f.read(8), dtype="<u8")
-                    header = json.loads(f.read(int(hlen)))
-            except (OSError, ValueError) as e:
-                raise ConvertError(f"{path}: cannot read safetensors header: {e}") from e
+        for path in _shard_paths(hf_dir):
+            data_start, header = _safetensors_header(path)
             for name, meta in header.items():
                 if name == "__metadata__":
                     continue
@@ -468,7 +447,7 @@ class _Raw:
                 if dt not in _DT:
                     raise ConvertError(f"{path}: tensor {name} has dtype {dt}, which this converter cannot read")
                 start, end = (int(x) for x in meta["data_offsets"])
-                self.info[name] = (path, dt, tuple(int(d) for d in meta["shape"]), 8 + int(hlen) + start, end - start)
+                self.info[name] = (path, dt, tuple(int(d) for d in meta["shape"]), data_start + start, end - start)
 
     def __contains__(self, name: str) -> bool:
         return name in self.info
@@ -489,7 +468,7 @@ class _Raw:
             return np.zeros(shape, dtype=np.float32)
         mm = np.memmap(path, dtype=npdt, mode="r", offset=offset, shape=(n,))
         if dt == "BF16":
-            out = (mm.astype(np.uint32) << 16).view(np.float32)
+            out = _bf16_to_f32(mm)
         elif dt in ("F16", "F64"):
             out = mm.astype(np.float32)
         else:
@@ -860,28 +839,16 @@ def plan(p: V4Params, rd: _Reader) -> list[_Out]:
 
 
 def choose_types(outs: list[_Out], outtype: str) -> None:
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import quant_shape_to_byte_shape
-
     for o in outs:
-        n = int(np.prod(o.shape))
-        if o.kind == "f32" or (o.kind == "w" and outtype == "f32"):
-            o.ggml_type, o.nbytes = _F32, 4 * n
+        if o.kind == "f32":
+            o.ggml_type = _F32
         elif o.kind == "i32":
-            o.ggml_type, o.nbytes = _I32, 4 * n
+            o.ggml_type = _I32
         elif o.kind == "mxfp4":
             o.ggml_type = _MXFP4
-            o.nbytes = int(np.prod(quant_shape_to_byte_shape(o.shape, Q(_MXFP4))))
-        elif outtype == "f16":
-            o.ggml_type, o.nbytes = _F16, 2 * n
-        elif outtype == "bf16":
-            o.ggml_type, o.nbytes = _BF16, 2 * n
-        elif o.shape[-1] % 32 == 0:
-            o.ggml_type = _Q8_0
-            o.nbytes = int(np.prod(quant_shape_to_byte_shape(o.shape, Q(_Q8_0))))
         else:
-            o.ggml_type, o.nbytes = _F16, 2 * n
-            o.note = f"row length {o.shape[-1]} is not a multiple of 32: stored as F16 instead of Q8_0"
+            o.ggml_type, o.note = _weight_type(o.shape, outtype)
+        o.nbytes = _tensor_nbytes(o.shape, o.ggml_type)
 
 
 def _data(o: _Out) -> np.ndarray:
@@ -968,8 +935,6 @@ def convert_deepseek4(hf_dir: str, out_path: str, outtype: str, cfg: dict, *, pr
                       pre: str | None = None) -> str:
     """Convert a DeepSeek-V4 checkpoint directory (any of the layouts in the module docstring)
     into the GGUF ``out_path``; called by :func:`tensorfold.convert.convert`."""
-    import gguf
-
     p = params(cfg)
     raw = _Raw(hf_dir)
     qc = cfg.get("quantization_config") or {}
@@ -979,59 +944,10 @@ def convert_deepseek4(hf_dir: str, out_path: str, outtype: str, cfg: dict, *, pr
     rd = _Reader(raw, (blk[0], blk[1]))
     outs = plan(p, rd)
     choose_types(outs, outtype)
-    tok_kv = _tokenizer_kv(hf_dir, SimpleNamespace(n_vocab=p.n_vocab, arch=ARCH), cfg, pre)
-    name = cfg.get("_name_or_path") or os.path.basename(os.path.normpath(hf_dir)) or HF_ARCH
-    name = os.path.basename(str(name).rstrip("/")) or HF_ARCH
+    tok_kv = _tokenizer_kv(hf_dir, p, cfg, pre)
     file_type = _FILE_TYPE_MXFP4_MOE if any(o.kind == "mxfp4" for o in outs) else _FILE_TYPE[outtype]
-
-    tmp_path = out_path + ".part"
-    writer = None
-    try:
-        writer = gguf.GGUFWriter(tmp_path, ARCH)
-        _apply_kv(writer, model_kv(p, name, file_type))
-        _apply_kv(writer, tok_kv)
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for o in outs:
-            if o.ggml_type == _I32:
-                writer.add_tensor_info(o.name, o.shape, np.dtype(np.int32), o.nbytes)
-            elif o.ggml_type in (_F32, _F16):
-                writer.add_tensor_info(o.name, o.shape, np.dtype(np.float16 if o.ggml_type == _F16 else np.float32),
-                                       o.nbytes)
-            else:
-                writer.add_tensor_info(o.name, o.shape, np.dtype(np.float32), o.nbytes,
-                                       raw_dtype=gguf.GGMLQuantizationType(o.ggml_type))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        log.info("%s (%s, %d layers + %d MTP) -> %s: %d tensors, %s", hf_dir, HF_ARCH, p.n_layer, p.n_mtp, out_path,
-                 len(outs), outtype)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(outs), desc="convert", unit="tensor", file=sys.stderr)
-        try:
-            for o in outs:
-                if o.note:
-                    (bar.write if bar is not None else log.warning)(f"{o.name}: {o.note}")
-                data = _data(o)
-                if data.nbytes != o.nbytes:  # pragma: no cover - guarded by the plan
-                    raise ConvertError(f"{o.name}: {data.nbytes} bytes produced, {o.nbytes} planned")
-                writer.write_tensor_data(data)
-                del data
-                if bar is not None:
-                    bar.set_postfix_str(o.name, refresh=False)
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-        writer.close()
-        writer = None
-        os.replace(tmp_path, out_path)
-    except BaseException:
-        if writer is not None:
-            writer.close()
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
+    log.info("%s (%s, %d layers + %d MTP) -> %s: %d tensors, %s", hf_dir, HF_ARCH, p.n_layer, p.n_mtp, out_path,
+             len(outs), outtype)
+    kv = model_kv(p, _model_name(cfg, hf_dir, HF_ARCH), file_type) + tok_kv
+    _write_gguf(out_path, ARCH, kv, outs, _data, progress=progress)
     return out_path
