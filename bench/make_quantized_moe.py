@@ -6,16 +6,20 @@
     python bench/make_quantized_moe.py --llama-bin $LLAMA_BIN --types Q2_K,IQ2_XXS --out-dir /tmp/moe
     python bench/make_quantized_moe.py --llama-bin $LLAMA_BIN --model deepseek2 --types Q2_K,Q4_K_M \\
         --out-dir /tmp/dsb                                                      # synth-ds2-*.gguf
+    python bench/make_quantized_moe.py --llama-bin $LLAMA_BIN --model deepseek4 --types Q2_K,Q4_K_M \\
+        --out-dir /tmp/ds4b                                                     # synth-ds4-*.gguf
 
---model picks the generator: qwen3moe (default; bench/make_synthetic_moe.py, files synth-moe-*)
-or deepseek2 (bench/make_synthetic_deepseek2.py, DeepSeek-V3-like MLA + grouped sigmoid-routed
-experts, files synth-ds2-*).
+--model picks the generator: qwen3moe (default; bench/make_synthetic_moe.py, files synth-moe-*),
+deepseek2 (bench/make_synthetic_deepseek2.py, DeepSeek-V3-like MLA + grouped sigmoid-routed
+experts, files synth-ds2-*) or deepseek4 (bench/make_synthetic_deepseek4.py, DeepSeek-V4-Flash
+proportions scaled down, made through transformers + `tensorfold convert`, files synth-ds4-*).
 
 1. Unless --f16 names an existing file, writes OUT_DIR/synth-moe-f16.gguf with
    `bench/make_synthetic_moe.py --outtype f16` (default 4 GB: 6 Qwen3-30B-A3B-like layers;
    --size-gb or --gen-args change it), or with --model deepseek2 OUT_DIR/synth-ds2-f16.gguf with
    `bench/make_synthetic_deepseek2.py` (default 4 layers, 1.6 GB; --size-gb picks the layers,
-   --gen-args "--layers 8 --experts 128 ..." any other shape).
+   --gen-args "--layers 8 --experts 128 ..." any other shape), or with --model deepseek4
+   OUT_DIR/synth-ds4-f16.gguf with `bench/make_synthetic_deepseek4.py` (8 layers, 1.8 GB).
 2. Makes an importance matrix with `llama-imatrix` on a short text (--text, default
    tests/fixtures/quant/calibration.txt, 128-token chunks): llama.cpp refuses IQ2_XXS/IQ2_XS/
    IQ1_* without one, and community low-bit files are made with one.
@@ -25,7 +29,8 @@ experts, files synth-ds2-*).
    kept unless --force.
 
 Then: python bench/e2e_formats.py --llama-bench $LLAMA_BIN/llama-bench OUT_DIR/synth-moe-*.gguf
-(or OUT_DIR/synth-ds2-*.gguf, with --depth 0 4096 ... for decode at a given context).
+(or OUT_DIR/synth-ds2-*.gguf, with --depth 0 4096 ... for decode at a given context; for
+OUT_DIR/synth-ds4-*.gguf: bench/e2e_deepseek4.py).
 Files go to /tmp (several GB), never into the repository. IQ2_XXS/IQ3_XXS quantization is slow
 (minutes per GB of output on 2 threads).
 """
@@ -43,7 +48,13 @@ HERE = Path(__file__).resolve().parent
 # --model: (generator script, file stem, default --size-gb for the generator or None to leave it
 # to the generator's own default shape)
 MODELS = {"qwen3moe": ("make_synthetic_moe.py", "synth-moe", 4.0),
-          "deepseek2": ("make_synthetic_deepseek2.py", "synth-ds2", None)}
+          "deepseek2": ("make_synthetic_deepseek2.py", "synth-ds2", None),
+          "deepseek4": ("make_synthetic_deepseek4.py", "synth-ds4", None)}
+# extra llama-quantize arguments per --model. deepseek4: llama-imatrix records attn_output_a's
+# input as the whole grouped activation (heads x head_dim = 8192 values) while the tensor's rows
+# are one group's slice (2048): llama-quantize refuses that entry ("imatrix size 8192 is different
+# from tensor size 2048"), so those tensors are quantized without an importance matrix.
+QUANTIZE_ARGS = {"deepseek4": ["--exclude-weights", "attn_output_a"]}
 DEFAULT_TYPES = ["Q2_K", "Q4_K_M", "IQ2_XXS", "IQ3_XXS", "IQ4_XS"]
 DEFAULT_TEXT = HERE.parent / "tests" / "fixtures" / "quant" / "calibration.txt"
 
@@ -74,14 +85,14 @@ def main() -> int:
                     help="folder holding llama-quantize and llama-imatrix (env LLAMA_BIN)")
     ap.add_argument("--out-dir", default="/tmp", help="where the GGUFs go (default /tmp)")
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3moe",
-                    help="generator of the F16 file: qwen3moe (make_synthetic_moe.py, default) or "
-                         "deepseek2 (make_synthetic_deepseek2.py)")
+                    help="generator of the F16 file: qwen3moe (make_synthetic_moe.py, default), "
+                         "deepseek2 (make_synthetic_deepseek2.py) or deepseek4 (make_synthetic_deepseek4.py)")
     ap.add_argument("--f16", default=None,
                     help="existing F16 GGUF to quantize (default: generate OUT_DIR/synth-moe-f16.gguf, "
-                         "or synth-ds2-f16.gguf with --model deepseek2)")
+                         "or synth-ds2-f16.gguf / synth-ds4-f16.gguf with --model deepseek2 / deepseek4)")
     ap.add_argument("--size-gb", type=float, default=None,
                     help="size of the generated F16 file (default 4 for qwen3moe; deepseek2: its default "
-                         "4 layers, 1.6 GB)")
+                         "4 layers, 1.6 GB; deepseek4 has no --size-gb: shape it with --gen-args)")
     ap.add_argument("--gen-args", default="", help="extra arguments for the generator script (quoted)")
     ap.add_argument("--types", default=",".join(DEFAULT_TYPES), help="comma-separated llama-quantize types")
     ap.add_argument("--text", default=str(DEFAULT_TEXT), help="calibration text for llama-imatrix")
@@ -131,7 +142,8 @@ def main() -> int:
             print(f"  {dst} exists", flush=True)
         else:
             tmp = dst.with_suffix(".gguf.part")
-            run([bin_dir / "llama-quantize", "--imatrix", imat, f16, tmp, t, a.threads], env,
+            run([bin_dir / "llama-quantize", "--imatrix", imat, *QUANTIZE_ARGS.get(a.model, []), f16, tmp, t,
+                 a.threads], env,
                 out / (dst.name + ".log"))
             os.replace(tmp, dst)
         print(f"  {dst.name}: {dst.stat().st_size / 1e9:.3f} GB — {type_summary(dst)}", flush=True)
