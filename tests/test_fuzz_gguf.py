@@ -916,7 +916,9 @@ def test_fuzz_harness_reports_crash_hang_error_and_memory(smollm2_path):
     stretches the wall time of the working cases but not their CPU time, so none of them can
     be taken for a hang (this test once failed that way with a 5 s wall-clock limit)."""
     planted = {"3": "crash", "6": "hang", "9": "typeerror", "12": "memory"}
-    stats, findings = run_fuzz(smollm2_path, 16, seed=7, workers=2, case_timeout=5.0,
+    # 15 s of CPU per case: the memory case faults in 1.2 GB after its forward, which on a
+    # loaded VM has taken more than 5 s of (system) CPU time and was then taken for a hang.
+    stats, findings = run_fuzz(smollm2_path, 16, seed=7, workers=2, case_timeout=15.0,
                                selftest=planted)
     got = {f["case"]: f["failure"] for f in findings}
     assert sorted(got) == [3, 6, 9, 12], got
