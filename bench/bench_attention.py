@@ -83,3 +83,40 @@ def test_attention(benchmark, dram_gbps, backend_name, layout, T, context):
     record(benchmark, "attention", f"{layout} T={T} ctx={context} {backend_name}",
            kv_MB=kv_bytes / 1e6, GB_s=gbps if T == 1 else None, frac_of_dram=gbps / dram_gbps if T == 1 else None,
            GFLOP_s=flops / sec / 1e9)
+
+
+# -- the lightning indexer (DeepSeek-V4 CSA layers) ---------------------------------------------
+# V4-Flash's indexer: 64 heads of 128 over one compressed key per 4 tokens, top 512; the synthetic
+# bench model's 16 heads. Decode (one query token) at 16K entries = 64K tokens of context.
+INDEX_CASES = [(h, n) for h in (16, 64) for n in (4096, 16384)]
+_index_caches: dict[tuple[str, int], tuple] = {}
+
+
+@pytest.mark.parametrize("backend_name", _common.backend_names())
+@pytest.mark.parametrize("H,entries", INDEX_CASES, ids=[f"H{h}-entries{n}" for h, n in INDEX_CASES])
+def test_index_topk(benchmark, dram_gbps, backend_name, H, entries):
+    D, k = 128, 512
+    if backend_name not in _backends:
+        _backends[backend_name] = make_backend(backend_name)
+    be = _backends[backend_name]
+    key = (backend_name, entries)
+    if key not in _index_caches:
+        kv = _core.KvCache([dict(heads=1, k_dim=D, compression=4)], 4 * entries + 64, "f16", be)
+        s = kv.create_sequence()
+        assert kv.reserve(s, 4 * entries)
+        rows = np.random.default_rng(0).standard_normal((entries, 1, D), dtype=np.float32)
+        kv.write_k(be, 0, s, np.arange(entries, dtype=np.int64), rows)
+        _index_caches[key] = (kv, s)
+    kv, s = _index_caches[key]
+    rng = np.random.default_rng(H)
+    q = rng.standard_normal((1, H, D), dtype=np.float32)
+    w = np.abs(rng.standard_normal((1, H), dtype=np.float32))
+    args = (kv, 0, q, w, np.array([s], np.int32), np.array([entries], np.int64), k)
+    idx = benchmark.pedantic(be.index_topk, args=args, rounds=8, iterations=1, warmup_rounds=1)
+    assert idx.shape == (1, k) and idx.min() >= 0
+    sec = _common.best_seconds(benchmark)
+    if sec is None:
+        return
+    gbps = entries * D * KV_BYTES / sec / 1e9
+    record(benchmark, "index_topk", f"H={H} entries={entries} {backend_name}",
+           GMAC_s=H * D * entries / sec / 1e9, GB_s=gbps, frac_of_dram=gbps / dram_gbps)

@@ -332,10 +332,12 @@ def test_index_topk_exact_with_ties(be, kv_type):
 
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
 @pytest.mark.parametrize("tokens", [[0], [1, 0, 1]])
-def test_index_topk_random(be, kv_type, tokens):
+@pytest.mark.parametrize("H", [8, 20, 32, 64])
+def test_index_topk_random(be, kv_type, tokens, H):
     """Continuous data: the picks, in order, have the reference's k best scores (a pick may
-    differ from the reference's only where two scores are within float rounding)."""
-    H, D, k = 8, 64, 64
+    differ from the reference's only where two scores are within float rounding). Head counts
+    cover every grouping of the vector kernels (one, two or four vectors of heads, and padding)."""
+    D, k = 64, 64
     rng = np.random.default_rng(2)
     normal = lambda shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     counts = [5000, 300]

@@ -41,11 +41,22 @@ void score_range(const float* q, int H, int64_t D, const float* w, const KvLayer
   const bool f32 = p.type() == KvType::F32;
   const uint8_t* base = static_cast<const uint8_t*>(p.k_block(kv.layer, 0, 0));
   const size_t page = p.page_stride() * p.elem_size(), row = size_t(D) * p.elem_size();
+  // The queries transposed and padded to a multiple of 16 heads (zero query, zero weight: adds 0).
+  const int hp = (H + 15) / 16 * 16;
   thread_local std::vector<float> scratch;
-  const size_t need = size_t(kTile) * size_t(D) + size_t(H) * kTile;
+  const size_t need = size_t(kTile) * size_t(D) + size_t(D) * hp + hp + kTile;
   if (scratch.size() < need) scratch.resize(need);
   float* rows = scratch.data();
-  float* hs = rows + size_t(kTile) * size_t(D);
+  float* qt = rows + size_t(kTile) * size_t(D);
+  float* wp = qt + size_t(D) * hp;
+  float* scores = wp + hp;
+  std::fill(qt, qt + size_t(D) * hp, 0.f);
+  std::fill(wp, wp + hp, 0.f);
+  for (int h = 0; h < H; ++h) {
+    wp[h] = w[h];
+    for (int64_t i = 0; i < D; ++i) qt[size_t(i) * hp + h] = q[size_t(h) * D + i];
+  }
+  const auto score_rows = ops.index_scores ? ops.index_scores : vec_ops_scalar().index_scores;
   out.resize(size_t(hi - lo));
   for (int64_t j0 = lo; j0 < hi; j0 += kTile) {
     const int m = int(std::min<int64_t>(kTile, hi - j0));
@@ -59,10 +70,9 @@ void score_range(const float* q, int H, int64_t D, const float* w, const KvLayer
       else
         ops.f16_to_f32(D, reinterpret_cast<const uint16_t*>(src), rows + size_t(j) * D);
     }
-    ops.dot_block_f32(D, q, D, H, rows, D, m, hs, kTile);
+    score_rows(D, qt, hp, wp, rows, D, m, scores);
     for (int j = 0; j < m; ++j) {
-      float s = 0.f;
-      for (int h = 0; h < H; ++h) s += w[h] * std::max(0.f, hs[size_t(h) * kTile + j]);
+      const float s = scores[j];
       out[size_t(j0 - lo + j)] = {std::isnan(s) ? -INFINITY : s, int32_t(j0 + j)};  // NaN: never ahead
     }
   }

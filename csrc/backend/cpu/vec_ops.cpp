@@ -1,5 +1,6 @@
 #include "backend/cpu/vec_ops.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/cpu_features.h"
@@ -61,9 +62,22 @@ void axpy_block_f32_scalar(int64_t n, const float* p, int64_t ldp, int rows, con
     for (int j = 0; j < m; ++j) axpy_f32_scalar(n, p[r * ldp + j], x + j * ldx, y + r * ldy);
 }
 
-const VecOps kScalar = {f32_to_f16_scalar,   exp_sub_sum_scalar, silu_mul_scalar,
-                        scale_scalar,        f16_to_f32_scalar,  
-                        dot_block_f32_scalar, axpy_block_f32_scalar};
+void index_scores_scalar(int64_t n, const float* qt, int hp, const float* w, const float* rows, int64_t ldr, int m,
+                         float* out) {
+  for (int j = 0; j < m; ++j) {
+    float s = 0.f;
+    for (int h = 0; h < hp; ++h) {
+      float d = 0.f;
+      for (int64_t i = 0; i < n; ++i) d += qt[i * hp + h] * rows[j * ldr + i];
+      s += w[h] * std::max(0.f, d);
+    }
+    out[j] = s;
+  }
+}
+
+const VecOps kScalar = {f32_to_f16_scalar,    exp_sub_sum_scalar,    silu_mul_scalar,    scale_scalar,
+                        f16_to_f32_scalar,    dot_block_f32_scalar,  axpy_block_f32_scalar,
+                        index_scores_scalar};
 
 }  // namespace
 
@@ -78,6 +92,7 @@ const VecOps& vec_ops_for(CpuIsa isa) {
       const VecOps& avx2 = *vec_ops_avx2_table();
       if (!m.dot_block_f32) m.dot_block_f32 = avx2.dot_block_f32;
       if (!m.axpy_block_f32) m.axpy_block_f32 = avx2.axpy_block_f32;
+      if (!m.index_scores) m.index_scores = avx2.index_scores;
       return m;
     }();
     return merged;

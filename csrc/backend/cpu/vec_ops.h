@@ -27,6 +27,13 @@ struct VecOps {
   // probabilities of a block of query rows times a tile of V rows (P X), accumulated.
   void (*axpy_block_f32)(int64_t n, const float* p, int64_t ldp, int rows, const float* x, int64_t ldx, int m,
                          float* y, int64_t ldy);
+  // The lightning indexer's score of m key rows: out[j] = sum_h w[h] * max(0, sum_i qt[i * hp + h] *
+  // rows[j * ldr + i]), i < n. The queries come transposed (dimension-major) and padded to hp heads,
+  // a multiple of 16, with zero queries and zero weights, so one vector holds 8 or 16 heads and a
+  // key value is broadcast against it: no horizontal sum per dot product. Each score is formed the
+  // same way whatever m is. May be null in a table (the scalar one is then used).
+  void (*index_scores)(int64_t n, const float* qt, int hp, const float* w, const float* rows, int64_t ldr, int m,
+                       float* out);
 };
 
 const VecOps& vec_ops();

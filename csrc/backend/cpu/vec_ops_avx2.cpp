@@ -206,7 +206,56 @@ void axpy_block_f32(int64_t n, const float* p, int64_t ldp, int rows, const floa
   }
 }
 
-const VecOps kAvx2 = {f32_to_f16, exp_sub_sum, silu_mul, scale, f16_to_f32, dot_block_f32, axpy_block_f32};
+// The indexer's scores (VecOps::index_scores), as in the AVX-512 table with 8 heads a vector:
+// JB key rows against GB vectors of heads, one FMA chain per dot product, reduced once per row.
+template <int JB, int GB>
+inline void index_rows(int64_t n, const float* qt, int hp, const float* w, const float* rows, int64_t ldr,
+                       float* out) {
+  __m256 total[JB];
+  #pragma GCC unroll 4
+  for (int j = 0; j < JB; ++j) total[j] = _mm256_setzero_ps();
+  for (int g0 = 0; g0 < hp; g0 += 8 * GB) {
+    __m256 acc[JB][GB];
+    #pragma GCC unroll 4
+    for (int j = 0; j < JB; ++j)
+      #pragma GCC unroll 2
+      for (int g = 0; g < GB; ++g) acc[j][g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      __m256 qv[GB];
+      #pragma GCC unroll 2
+      for (int g = 0; g < GB; ++g) qv[g] = _mm256_loadu_ps(qt + i * hp + g0 + 8 * g);
+      #pragma GCC unroll 4
+      for (int j = 0; j < JB; ++j) {
+        const __m256 kv = _mm256_broadcast_ss(rows + j * ldr + i);
+        #pragma GCC unroll 2
+        for (int g = 0; g < GB; ++g) acc[j][g] = _mm256_fmadd_ps(qv[g], kv, acc[j][g]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int j = 0; j < JB; ++j)
+      #pragma GCC unroll 2
+      for (int g = 0; g < GB; ++g)
+        total[j] = _mm256_fmadd_ps(_mm256_max_ps(acc[j][g], _mm256_setzero_ps()),
+                                   _mm256_loadu_ps(w + g0 + 8 * g), total[j]);
+  }
+  #pragma GCC unroll 4
+  for (int j = 0; j < JB; ++j) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(total[j]), _mm256_extractf128_ps(total[j], 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    out[j] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+}
+
+void index_scores(int64_t n, const float* qt, int hp, const float* w, const float* rows, int64_t ldr, int m,
+                  float* out) {
+  // hp is a multiple of 16: two vectors of heads a pass, four key rows (8 accumulators).
+  int j = 0;
+  for (; j + 4 <= m; j += 4) index_rows<4, 2>(n, qt, hp, w, rows + j * ldr, ldr, out + j);
+  for (; j < m; ++j) index_rows<1, 2>(n, qt, hp, w, rows + j * ldr, ldr, out + j);
+}
+
+const VecOps kAvx2 = {f32_to_f16,     exp_sub_sum,    silu_mul,    scale,
+                      f16_to_f32,     dot_block_f32,  axpy_block_f32, index_scores};
 
 }  // namespace
 

@@ -83,9 +83,67 @@ void f16_to_f32(int64_t n, const uint16_t* x, float* y) {
   for (; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
 }
 
+// The indexer's scores (VecOps::index_scores): JB key rows against GB vectors of 16 heads at a
+// time, each key value broadcast from memory against a vector of heads, so each dot product is
+// one FMA chain over i in order; then per row sum over groups of w * relu, reduced once per row.
+// A row's score is formed the same way in every JB variant.
+template <int JB, int GB>
+inline void index_rows(int64_t n, const float* qt, int hp, const float* w, const float* rows, int64_t ldr,
+                       float* out) {
+  __m512 total[JB];
+  #pragma GCC unroll 8
+  for (int j = 0; j < JB; ++j) total[j] = _mm512_setzero_ps();
+  for (int g0 = 0; g0 < hp; g0 += 16 * GB) {
+    __m512 acc[JB][GB];
+    #pragma GCC unroll 8
+    for (int j = 0; j < JB; ++j)
+      #pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) acc[j][g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      __m512 qv[GB];
+      #pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) qv[g] = _mm512_loadu_ps(qt + i * hp + g0 + 16 * g);
+      #pragma GCC unroll 8
+      for (int j = 0; j < JB; ++j) {
+        const __m512 kv = _mm512_set1_ps(rows[j * ldr + i]);
+        #pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) acc[j][g] = _mm512_fmadd_ps(qv[g], kv, acc[j][g]);
+      }
+    }
+    #pragma GCC unroll 8
+    for (int j = 0; j < JB; ++j)
+      #pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g)
+        total[j] = _mm512_fmadd_ps(_mm512_max_ps(acc[j][g], _mm512_setzero_ps()),
+                                   _mm512_loadu_ps(w + g0 + 16 * g), total[j]);
+  }
+  #pragma GCC unroll 8
+  for (int j = 0; j < JB; ++j) out[j] = _mm512_reduce_add_ps(total[j]);
+}
+
+template <int GB>
+inline void index_scores_groups(int64_t n, const float* qt, int hp, const float* w, const float* rows, int64_t ldr,
+                                int m, float* out) {
+  constexpr int JB = GB == 1 ? 8 : 16 / GB;  // 8 to 16 accumulators: enough FMA chains in flight
+  int j = 0;
+  for (; j + JB <= m; j += JB) index_rows<JB, GB>(n, qt, hp, w, rows + j * ldr, ldr, out + j);
+  for (; j < m; ++j) index_rows<1, GB>(n, qt, hp, w, rows + j * ldr, ldr, out + j);
+}
+
+void index_scores(int64_t n, const float* qt, int hp, const float* w, const float* rows, int64_t ldr, int m,
+                  float* out) {
+  // Groups of heads per pass: the whole of hp when it is 16, 32 or 64, else 16 at a time.
+  if (hp == 32)
+    index_scores_groups<2>(n, qt, hp, w, rows, ldr, m, out);
+  else if (hp % 64 == 0)
+    index_scores_groups<4>(n, qt, hp, w, rows, ldr, m, out);
+  else
+    index_scores_groups<1>(n, qt, hp, w, rows, ldr, m, out);
+}
+
 // The attention products come from the AVX2 table (vec_ops()): single-query and block
 // attention must agree bit for bit, and they do by sharing one implementation.
-const VecOps kAvx512 = {f32_to_f16, exp_sub_sum, silu_mul, scale, f16_to_f32, nullptr, nullptr};
+const VecOps kAvx512 = {f32_to_f16, exp_sub_sum, silu_mul, scale, f16_to_f32, nullptr, nullptr, index_scores};
 
 }  // namespace
 
