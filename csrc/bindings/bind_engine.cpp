@@ -68,6 +68,7 @@ py::dict memory_plan_dict(const MemoryPlan& p) {
   d["index_bytes_per_block"] = p.index_bytes_per_block;
   d["scratch"] = p.scratch;
   d["comm"] = p.comm;
+  d["draft"] = p.draft;
   d["margin"] = p.margin;
   d["total"] = p.total();
   d["budget"] = p.budget;
@@ -82,6 +83,29 @@ py::dict memory_plan_dict(const MemoryPlan& p) {
 }  // namespace
 
 void bind_engine(py::module_& m) {
+  m.def(
+      "_sample_given_draft",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, int32_t draft, float temperature,
+         int top_k, float top_p, float min_p, uint64_t seed, int64_t n) {
+        TF_CHECK(logits.ndim() == 1 && logits.shape(0) > 0 && n >= 0, "_sample_given_draft: bad arguments");
+        SamplingParams sp{temperature, top_k, top_p, min_p, seed};
+        Sampler sampler(sp);
+        const int64_t V = logits.shape(0);
+        py::array_t<int64_t> counts(V);
+        auto c = counts.mutable_unchecked<1>();
+        for (int64_t i = 0; i < V; ++i) c(i) = 0;
+        int64_t accepted = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          bool ok = false;
+          ++c(sampler.sample_given_draft(logits.data(), V, draft, ok));
+          accepted += ok;
+        }
+        return py::make_tuple(counts, accepted);
+      },
+      py::arg("logits"), py::arg("draft"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+      py::arg("min_p"), py::arg("seed"), py::arg("n"),
+      "n verifications of `draft` against one logits row with one sampler: (counts of the emitted tokens, "
+      "how many were the draft accepted) — for testing the rejection sampling");
   m.def(
       "plan_memory",
       [](const std::string& path, int64_t context, int64_t kv_tokens, int max_batch_tokens, const std::string& kv_type,
@@ -115,9 +139,13 @@ void bind_engine(py::module_& m) {
                        const std::string& tp_addr, const std::vector<std::string>& tp_rails,
                        double tp_timeout, bool tp_compatible, const std::optional<std::string>& tp_token_arg,
                        int64_t memory_budget, const std::string& tp_transport, double tp_wait,
-                       double tp_load_timeout, bool prefix_cache, const std::string& backend, int max_seqs) {
+                       double tp_load_timeout, bool prefix_cache, const std::string& backend, int max_seqs,
+                       const std::string& draft, int draft_max, bool draft_adaptive) {
              EngineOptions o;
              o.max_seqs = max_seqs;
+             o.draft = draft;
+             o.draft_max = draft_max;
+             o.draft_adaptive = draft_adaptive;
              o.backend = backend;
              o.memory_budget = memory_budget;
              o.prefix_cache = prefix_cache;
@@ -147,11 +175,14 @@ void bind_engine(py::module_& m) {
            py::arg("tp_timeout") = 30.0, py::arg("tp_compatible") = false, py::arg("tp_token") = py::none(),
            py::arg("memory_budget") = 0, py::arg("tp_transport") = "tcp", py::arg("tp_wait") = 0.0,
            py::arg("tp_load_timeout") = 3600.0, py::arg("prefix_cache") = true, py::arg("backend") = "cpu",
-           py::arg("max_seqs") = 32,
+           py::arg("max_seqs") = 32, py::arg("draft") = "", py::arg("draft_max") = 8,
+           py::arg("draft_adaptive") = true,
            "tp_token: shared secret of the TP pair (default: $TENSORFOLD_TP_TOKEN; empty: none); memory_budget: "
            "bytes this rank may use (0: the memory available now; < 0: no budget); prefix_cache: reuse the KV "
            "blocks of earlier identical prompt prefixes; backend: where the forward runs ('cpu', 'cpu:avx2', "
-           "'cuda', 'auto')")
+           "'cuda', 'auto'); draft: speculative decoding source ('' none, 'lookup', or a draft model GGUF path); "
+           "draft_max: drafts per sequence and step, at most; draft_adaptive: fewer where they do not pay (False: always "
+           "draft_max)")
       .def_property_readonly("backend", &Engine::backend_name)
       .def_property_readonly("memory_plan", [](const Engine& e) { return memory_plan_dict(e.memory_plan()); })
       .def_static(
@@ -186,8 +217,9 @@ void bind_engine(py::module_& m) {
       .def("add_request",
            [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
               int top_k, float top_p, float min_p, uint64_t seed, const std::vector<int32_t>& eog_ids,
-              bool ignore_eos, int top_logprobs) {
+              bool ignore_eos, int top_logprobs, const std::string& speculative) {
              RequestParams p;
+             p.speculative = speculative;
              p.top_logprobs = top_logprobs;
              p.max_tokens = max_tokens;
              p.sampling.temperature = temperature;
@@ -203,8 +235,8 @@ void bind_engine(py::module_& m) {
            py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("temperature") = 0.8f,
            py::arg("top_k") = 40, py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f,
            py::arg("seed") = 0, py::arg("eog_ids") = std::vector<int32_t>{},
-           py::arg("ignore_eos") = false, py::arg("top_logprobs") = -1,
-           "top_logprobs: -1 off; 0 the sampled token's log-probability; 1..20 also that many most likely "
+           py::arg("ignore_eos") = false, py::arg("top_logprobs") = -1, py::arg("speculative") = "",
+           "speculative: '' the engine's draft source, 'none', 'lookup' or 'draft'; top_logprobs: -1 off; 0 the sampled token's log-probability; 1..20 also that many most likely "
            "tokens' (log-softmax of the raw logits: temperature 1, before top-k/top-p/min-p)")
       .def("step",
            [](Engine& e) {
@@ -354,6 +386,10 @@ void bind_engine(py::module_& m) {
         d["kv_blocks_used"] = s.kv_blocks_used;
         d["kv_blocks_free"] = s.kv_blocks_free;
         d["kv_blocks_cached"] = s.kv_blocks_cached;
+        d["spec_verifies"] = s.spec_verifies;
+        d["spec_drafted"] = s.spec_drafted;
+        d["spec_accepted"] = s.spec_accepted;
+        d["draft_seconds"] = s.draft_seconds;
         if (e.config().is_moe()) d["expert_usage"] = usage;
         return d;
       });

@@ -115,6 +115,11 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
            "] (0: the model's), got ", opts.context);
   TF_CHECK(opts.kv_tokens >= 0 && opts.kv_tokens <= kMaxKvTokens, "kv_tokens must be an integer in [1, ",
            kMaxKvTokens, "] (0: automatic), got ", opts.kv_tokens);
+  TF_CHECK(opts.draft_max >= 1 && opts.draft_max <= kMaxDrafts, "draft_max must be an integer in [1, ", kMaxDrafts,
+           "], got ", opts.draft_max);
+  if (opts.draft == "mtp")
+    fail(ErrorKind::Unsupported, "draft 'mtp': drafting with the model's own next-token-prediction layers is not "
+         "implemented yet; use draft='lookup' or a draft model file");
   file_ = GgufFile::open(model_path);
   tp_ = opts.tp;
   TF_CHECK(tp_.size == 1 || tp_.size == 2, "tensor parallel size must be 1 or 2, got ", tp_.size);
@@ -188,6 +193,17 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   // rank 0 of a TP pair mid-collective: that would desynchronise the pair.
   be_->set_interruptible(!(tp_.size == 2 && tp_.rank == 0));
   model_->reserve(max_batch_tokens_, context_);
+  // Speculation happens on rank 0 (a follower only runs the verify forwards it is sent).
+  if (tp_.rank == 0) {
+    lookup_ = make_prompt_lookup();
+    if (opts.draft == "lookup") {
+      default_source_ = lookup_.get();
+    } else if (!opts.draft.empty()) {
+      draft_model_ = make_draft_model(opts.draft, *file_, *be_, draft_sizes(opts, geometry));
+      default_source_ = draft_model_.get();
+    }
+    draft_policy_ = std::make_unique<DraftPolicy>(opts.draft_max, opts.draft_adaptive);
+  }
   logits_.assign(size_t(kMaxLogitRows) * size_t(c.n_vocab), 0.f);
   batch_.reserve(size_t(max_batch_tokens_));
   batch_owner_.reserve(size_t(max_batch_tokens_));
@@ -264,9 +280,18 @@ int64_t Engine::add_request(const std::vector<int32_t>& prompt, const RequestPar
   TF_CHECK(params.top_logprobs >= -1 && params.top_logprobs <= kMaxTopLogprobs,
            "top_logprobs must be -1 (off), 0 (the sampled token's) or 1..", kMaxTopLogprobs, ", got ",
            params.top_logprobs);
+  const std::string& spec = params.speculative;
+  TF_CHECK(spec.empty() || spec == "none" || spec == "lookup" || spec == "draft" || spec == "mtp",
+           "speculative must be '' (the engine's), 'none', 'lookup' or 'draft', got '", spec, "'");
+  TF_CHECK(spec != "draft" || draft_model_, "speculative 'draft': this engine has no draft model (start it with one)");
+  TF_CHECK(spec != "mtp", "speculative 'mtp': drafting with next-token-prediction layers is not implemented yet");
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t id = next_id_++;
-  seqs_.emplace(id, std::make_unique<Sequence>(id, prompt, params));
+  auto seq = std::make_unique<Sequence>(id, prompt, params);
+  seq->source = spec.empty() ? default_source_ : spec == "lookup" ? lookup_.get()
+                : spec == "draft"              ? draft_model_.get()
+                                               : nullptr;
+  seqs_.emplace(id, std::move(seq));
   return id;
 }
 
@@ -275,6 +300,7 @@ void Engine::abort(int64_t request_id) {
   auto it = seqs_.find(request_id);
   if (it == seqs_.end()) return;
   if (it->second->slot >= 0) kv_->free_sequence(it->second->slot);
+  if (it->second->source) it->second->source->release(request_id);
   seqs_.erase(it);
 }
 
@@ -283,6 +309,7 @@ void Engine::release_slot(Sequence& s) {
   if (s.slot >= 0) kv_->free_sequence(s.slot);
   s.slot = -1;
   s.n_computed = 0;
+  if (s.source) s.source->release(s.id);
 }
 
 void Engine::finish(Sequence& s, StepOutput&& o, std::vector<StepOutput>& out) {
@@ -347,6 +374,7 @@ std::vector<StepOutput> Engine::step() {
     --budget;
     ++logit_rows;
   }
+  if (draft_policy_ && !batch_.empty()) add_drafts(budget, logit_rows);
   const size_t n_decode = batch_.size();
 
   // 2. Prefill (chunked): everything else, oldest first, within the remaining budget.
@@ -396,48 +424,162 @@ std::vector<StepOutput> Engine::step() {
     stats_.prompt_tokens += int64_t(n_prefill);
   } else {
     stats_.decode_seconds += dt;
+    if (draft_policy_) draft_policy_->observe_step(int(batch_.size()), dt);
   }
 
-  // 3. Advance, sample and check stop conditions.
+  // 3. Advance, sample and check stop conditions. A sequence's tokens are contiguous in the
+  // batch.
   const int64_t V = config().n_vocab;
   int row = 0;
   std::vector<int64_t>& done = done_;
   done.clear();
-  for (size_t i = 0; i < batch_.size(); ++i) {
+  for (size_t i = 0; i < batch_.size();) {
     Sequence& s = *batch_owner_[i];
-    s.n_computed = size_t(batch_[i].pos) + 1;
-    // A sequence's tokens are contiguous in the batch: after its last one, its newly full
-    // blocks (prompt and generated tokens alike) join the prefix cache, and window groups let
-    // go of what no later token reads.
-    if (i + 1 == batch_.size() || batch_owner_[i + 1] != &s)
-      kv_->advance(s.slot, s.tokens.data(), int64_t(s.n_computed));
-    if (!batch_[i].want_logits) continue;
-    const float* lg = logits_.data() + size_t(row++) * size_t(V);
-    const int32_t tok = s.sampler.sample(lg, V);
-    StepOutput o{s.id, tok, false, FinishReason::None};
-    if (s.params.top_logprobs >= 0) {
-      o.has_logprobs = true;
-      o.logprob = token_logprobs(lg, V, tok, s.params.top_logprobs, o.top);
+    size_t j = i;
+    while (j < batch_.size() && batch_owner_[j] == &s) ++j;
+    if (!s.drafts.empty()) {  // its token and its drafts, each with logits
+      s.n_computed = size_t(batch_[i].pos) + 1;
+      if (verify(s, logits_.data() + size_t(row) * size_t(V), out)) done.push_back(s.id);
+      row += int(j - i);
+      i = j;
+      continue;
     }
-    s.tokens.push_back(tok);
-    ++s.n_generated;
-    ++stats_.generated_tokens;
-    const auto& eog = s.params.eog_ids;
-    FinishReason reason = FinishReason::None;
-    if (!s.params.ignore_eos && std::find(eog.begin(), eog.end(), tok) != eog.end())
-      reason = FinishReason::Stop;
-    else if (s.n_generated >= s.params.max_tokens || int64_t(s.tokens.size()) >= context_)
-      reason = FinishReason::Length;
-    if (reason != FinishReason::None) {
-      o.reason = reason;
-      finish(s, std::move(o), out);
-      done.push_back(s.id);
-    } else {
-      out.push_back(std::move(o));
+    s.n_computed = size_t(batch_[j - 1].pos) + 1;
+    // After its last token, its newly full blocks (prompt and generated tokens alike) join the
+    // prefix cache, and window groups let go of what no later token reads.
+    kv_->advance(s.slot, s.tokens.data(), int64_t(s.n_computed));
+    if (batch_[j - 1].want_logits) {
+      const float* lg = logits_.data() + size_t(row++) * size_t(V);
+      if (emit(s, s.sampler.sample(lg, V), lg, out)) done.push_back(s.id);
     }
+    i = j;
   }
   for (int64_t id : done) seqs_.erase(id);
   return out;
+}
+
+bool Engine::emit(Sequence& s, int32_t tok, const float* lg, std::vector<StepOutput>& out) {
+  const int64_t V = config().n_vocab;
+  StepOutput o{s.id, tok, false, FinishReason::None};
+  if (s.params.top_logprobs >= 0) {
+    o.has_logprobs = true;
+    o.logprob = token_logprobs(lg, V, tok, s.params.top_logprobs, o.top);
+  }
+  s.tokens.push_back(tok);
+  ++s.n_generated;
+  ++stats_.generated_tokens;
+  const auto& eog = s.params.eog_ids;
+  FinishReason reason = FinishReason::None;
+  if (!s.params.ignore_eos && std::find(eog.begin(), eog.end(), tok) != eog.end())
+    reason = FinishReason::Stop;
+  else if (s.n_generated >= s.params.max_tokens || int64_t(s.tokens.size()) >= context_)
+    reason = FinishReason::Length;
+  if (reason == FinishReason::None) {
+    out.push_back(std::move(o));
+    return false;
+  }
+  o.reason = reason;
+  finish(s, std::move(o), out);
+  return true;
+}
+
+void Engine::add_drafts(int& budget, int& logit_rows) {
+  // Who may draft, and how many tokens each: the policy weighs each sequence's acceptance
+  // against the measured cost of a verified token and of a drafted one.
+  std::vector<size_t> who;
+  std::vector<double> rate;
+  std::vector<bool> probe;
+  for (size_t i = 0; i < batch_.size(); ++i) {
+    Sequence& s = *batch_owner_[i];
+    s.drafts.clear();
+    if (!s.source) continue;
+    who.push_back(i);
+    rate.push_back(s.draft_stats.rate);
+    probe.push_back(s.draft_stats.idle_steps >= DraftPolicy::kProbeEvery);
+  }
+  if (who.empty()) return;
+  // The cost of a drafted token: the dearest source among the drafting sequences'.
+  double draft_cost = 0;
+  for (size_t i : who) draft_cost = std::max(draft_cost, batch_owner_[i]->source->cost_per_draft());
+  const std::vector<int> k = draft_policy_->lengths(rate, probe, int(batch_.size()), draft_cost);
+  // Proposals, per source.
+  std::vector<DraftSource::Request> reqs;
+  std::vector<size_t> req_at;
+  for (DraftSource* src : {lookup_.get(), draft_model_.get()}) {
+    if (!src) continue;
+    reqs.clear();
+    req_at.clear();
+    for (size_t w = 0; w < who.size(); ++w) {
+      Sequence& s = *batch_owner_[who[w]];
+      if (s.source != src) continue;
+      // No more drafts than tokens the request may still produce, nor than the context holds.
+      const int room = int(std::min<int64_t>({int64_t(k[w]), int64_t(s.params.max_tokens - s.n_generated - 1),
+                                              context_ - int64_t(s.tokens.size()) - 1}));
+      if (room <= 0) {
+        ++s.draft_stats.idle_steps;
+        continue;
+      }
+      reqs.push_back({s.id, &s.tokens, room, {}});
+      req_at.push_back(who[w]);
+    }
+    if (reqs.empty()) continue;
+    const double before = src->seconds();
+    src->propose(reqs);
+    stats_.draft_seconds += src->seconds() - before;
+    for (size_t r = 0; r < reqs.size(); ++r) batch_owner_[req_at[r]]->drafts = std::move(reqs[r].drafts);
+  }
+  // The batch again: each sequence's token, then its drafts (that fit the budget and the pool).
+  std::vector<BatchToken> batch;
+  std::vector<Sequence*> owner;
+  for (size_t i = 0; i < batch_.size(); ++i) {
+    Sequence& s = *batch_owner_[i];
+    batch.push_back(batch_[i]);
+    owner.push_back(&s);
+    int nd = int(std::min<size_t>(s.drafts.size(), size_t(std::min(budget, kMaxLogitRows - logit_rows))));
+    if (nd > 0 && !kv_->reserve(s.slot, int64_t(s.n_computed) + 1 + nd)) nd = 0;
+    s.drafts.resize(size_t(nd));
+    if (nd == 0) {
+      if (s.source) ++s.draft_stats.idle_steps;
+      continue;
+    }
+    for (int d = 0; d < nd; ++d) {
+      batch.push_back({s.drafts[size_t(d)], int32_t(s.n_computed) + 1 + d, int32_t(s.slot), true});
+      owner.push_back(&s);
+    }
+    budget -= nd;
+    logit_rows += nd;
+  }
+  batch_.swap(batch);
+  batch_owner_.swap(owner);
+}
+
+bool Engine::verify(Sequence& s, const float* lg, std::vector<StepOutput>& out) {
+  const int64_t V = config().n_vocab;
+  const int nd = int(s.drafts.size());
+  int accepted = 0;
+  bool finished = false;
+  for (int r = 0; r <= nd; ++r, lg += V) {
+    bool ok = false;
+    const int32_t tok = r < nd ? s.sampler.sample_given_draft(lg, V, s.drafts[size_t(r)], ok) : s.sampler.sample(lg, V);
+    finished = emit(s, tok, lg, out);
+    if (!ok || finished) break;
+    ++accepted;  // the draft is now the sequence's token, its K/V already in the cache
+    ++s.n_computed;
+  }
+  ++stats_.spec_verifies;
+  stats_.spec_drafted += nd;
+  stats_.spec_accepted += accepted;
+  s.draft_stats.record(nd, accepted);
+  s.drafts.clear();
+  if (finished) return true;  // its slot is released
+  // The rejected drafts' rows go from every cache; then the prefix cache and windows advance.
+  if (!kv_->truncate(s.slot, int64_t(s.n_computed))) {
+    preempt(s);  // cannot roll back (no block for a copy): recompute it later
+    return false;
+  }
+  kv_->advance(s.slot, s.tokens.data(), int64_t(s.n_computed));
+  if (s.source) s.source->sync(s.id, int64_t(s.n_computed));
+  return false;
 }
 
 void Engine::logits(const std::vector<int32_t>& ids, float* out) {

@@ -32,6 +32,7 @@
 #include "backend/backend.h"
 #include "engine/memory_plan.h"
 #include "engine/sampler.h"
+#include "engine/speculative.h"
 #include "gguf/gguf_reader.h"
 #include "kv/kv_cache.h"
 #include "model/model.h"
@@ -66,6 +67,12 @@ struct EngineOptions {
   // Sequences at once the windowed caches (sliding windows, compressors' pending rows) are
   // sized for: each holds window + one step of rows per sequence, not kv_tokens.
   int max_seqs = 32;
+  // Speculative decoding (engine/speculative.h): "" none, "lookup" (prompt lookup), or the path
+  // of a draft model GGUF with the same vocabulary. Prompt lookup is also open to every request
+  // of an engine with a draft model. draft_max: drafts per sequence and step, at most.
+  std::string draft;
+  int draft_max = 8;
+  bool draft_adaptive = true;  // false: always draft_max drafts (benchmarks, tests)
   TpOptions tp;
 };
 
@@ -77,6 +84,9 @@ struct RequestParams {
   // Log-probabilities of the output tokens: -1 off; 0 the sampled token's; k in 1..20 also
   // the k most likely tokens' (see StepOutput).
   int top_logprobs = -1;
+  // Speculation for this request: "" the engine's (EngineOptions::draft), "none", "lookup", or
+  // "draft" (the engine's draft model). The output is the same either way.
+  std::string speculative;
 };
 
 enum class FinishReason { None, Stop, Length, Abort };
@@ -103,6 +113,9 @@ struct EngineStats {
   // held by none, evictable); the three add up to the pool.
   int64_t prefix_cache_hits = 0, prefix_cached_tokens = 0;
   int64_t kv_blocks_used = 0, kv_blocks_free = 0, kv_blocks_cached = 0;
+  // Speculative decoding: verify steps of a sequence, tokens drafted, drafts accepted.
+  int64_t spec_verifies = 0, spec_drafted = 0, spec_accepted = 0;
+  double draft_seconds = 0;
 };
 
 class Engine {
@@ -113,6 +126,7 @@ class Engine {
   static constexpr int kKvBlockSize = 16;
   static constexpr int kMaxLogitRows = 64;  // logits rows one step may produce (= max sequences per step)
   static constexpr int kMaxTopLogprobs = 20;
+  static constexpr int kMaxDrafts = 32;  // draft_max at most
 
   Engine(const std::string& model_path, const EngineOptions& opts);
   ~Engine();
@@ -176,10 +190,21 @@ class Engine {
     RequestParams params;
     Sampler sampler;
     int n_generated = 0;
+    DraftSource* source = nullptr;  // where its drafts come from (null: no speculation)
+    DraftStats draft_stats;
+    std::vector<int32_t> drafts;    // this step's, verified after the forward
     Sequence(int64_t id_, const std::vector<int32_t>& p, const RequestParams& rp)
         : id(id_), tokens(p), n_prompt(p.size()), params(rp), sampler(rp.sampling) {}
   };
   void finish(Sequence& s, StepOutput&& o, std::vector<StepOutput>& out);
+  // Appends a sampled token to s (its logits row lg) and reports it; true when s is finished.
+  bool emit(Sequence& s, int32_t tok, const float* lg, std::vector<StepOutput>& out);
+  // Drafts for the decode sequences in batch_ (one entry each so far): lengths by the policy,
+  // proposals by their sources, the batch rebuilt with every sequence's drafts after its token.
+  void add_drafts(int& budget, int& logit_rows);
+  // Verification of s's drafts against logits rows from `lg` (its token's row first).
+  // True when s finished.
+  bool verify(Sequence& s, const float* lg, std::vector<StepOutput>& out);
   void release_slot(Sequence& s);
   void logits_locked(const std::vector<int32_t>& ids, float* out);
   // TP follower: checks plan_ field by field, fills batch_ and mirrors the block tables.
@@ -206,6 +231,9 @@ class Engine {
   std::unique_ptr<Model> model_;
   std::unique_ptr<ActivationStats> act_stats_;  // calibration collector while attached
   std::unique_ptr<KvCache> kv_;
+  std::unique_ptr<DraftSource> lookup_, draft_model_;  // speculation sources (null: none)
+  DraftSource* default_source_ = nullptr;
+  std::unique_ptr<DraftPolicy> draft_policy_;
   mutable std::mutex mu_;              // guards everything below that changes after start-up
   int64_t context_ = 0;
   int max_batch_tokens_ = 512;

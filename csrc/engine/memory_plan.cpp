@@ -123,6 +123,16 @@ EngineGeometry geometry_for(int64_t ctx, const EngineOptions& opts) {
 }
 }  // namespace
 
+DraftModelSizes draft_sizes(const EngineOptions& opts, const EngineGeometry& g) {
+  DraftModelSizes z;
+  z.kv_tokens = g.kv_tokens;
+  z.context = g.context;
+  z.max_seqs = opts.max_seqs;
+  z.max_batch_tokens = g.max_batch_tokens;
+  z.kv_type = opts.kv_type;
+  return z;
+}
+
 MemoryPlan plan_memory(Model& model, const EngineGeometry& g, const EngineOptions& opts) {
   MemoryPlan p;
   p.tp_size = opts.tp.size;
@@ -130,6 +140,9 @@ MemoryPlan plan_memory(Model& model, const EngineGeometry& g, const EngineOption
   p.n_ctx_train = model.config().n_ctx_train;
   p.weights = model.weight_bytes();
   size_plan(p, model, g, opts);
+  // A draft model lives on rank 0 beside the target (prompt lookup needs no memory).
+  if (!opts.draft.empty() && opts.draft != "lookup" && opts.draft != "mtp" && opts.tp.rank == 0)
+    p.draft = draft_model_bytes(opts.draft, draft_sizes(opts, g));
   if (opts.memory_budget > 0) {
     p.budget = uint64_t(opts.memory_budget);
     p.budget_source = "memory_budget";
@@ -138,7 +151,7 @@ MemoryPlan plan_memory(Model& model, const EngineGeometry& g, const EngineOption
     p.budget_source = "available memory";
   }
   if (p.budget > 0) {
-    const uint64_t fixed = p.weights + p.scratch + p.comm + p.margin;
+    const uint64_t fixed = p.weights + p.scratch + p.comm + p.draft + p.margin;
     if (p.budget > fixed && p.kv > 0) {
       // Every group sized by tokens grows in proportion to the pool (its bytes per token of the
       // pool, in whole blocks of kKvBlockSize tokens); groups sized by sequences stay.
@@ -223,6 +236,7 @@ std::string MemoryPlan::table() const {
   }
   row("scratch + logits", scratch, std::to_string(max_batch_tokens) + " tokens per step");
   row("comm buffers", comm, tp_size > 1 ? "All-Reduce and logits" : "none (TP=1)");
+  if (draft) row("draft model", draft, "weights, KV pool and scratch (speculative decoding)");
   row("safety margin", margin, "allocator, stacks, runtime");
   row("total", total(), "");
   if (budget > 0) {

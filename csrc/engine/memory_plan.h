@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gguf/gguf_reader.h"
+#include "engine/speculative.h"
 #include "kv/kv_cache.h"
 #include "model/model_config.h"
 
@@ -33,6 +34,7 @@ struct MemoryPlan {
   std::vector<KvGroupPlan> kv_groups;  // a line each: the layers sharing one KvSpec
   uint64_t scratch = 0;  // activations of one step, logits
   uint64_t comm = 0;     // TP transport buffers
+  uint64_t draft = 0;    // a draft model: its weights, KV pool and scratch (speculative decoding)
   uint64_t margin = 0;   // safety: allocator slack, thread stacks, the runtime around the engine
   uint64_t budget = 0;   // 0: no budget known
   std::string budget_source;  // "--memory-budget", "available memory", ...
@@ -42,7 +44,7 @@ struct MemoryPlan {
   int64_t max_context = 0;
   int64_t n_ctx_train = 0;  // the model's trained context (its context_length)
 
-  uint64_t total() const { return weights + kv + scratch + comm + margin; }
+  uint64_t total() const { return weights + kv + scratch + comm + draft + margin; }
   bool fits() const { return budget == 0 || total() <= budget; }
   std::string table() const;
 };
@@ -62,6 +64,9 @@ EngineGeometry resolve_geometry(const ModelConfig& c, const EngineOptions& opts)
 MemoryPlan plan_memory(Model& model, const EngineGeometry& g, const EngineOptions& opts);
 // The same from the file alone (tensorfold plan): reads only its header and tensor table.
 MemoryPlan plan_memory(const std::shared_ptr<GgufFile>& file, const EngineOptions& opts);
+
+// The sizes of a draft model's cache and scratch: the target's (EngineOptions::draft).
+DraftModelSizes draft_sizes(const EngineOptions& opts, const EngineGeometry& g);
 
 // Bytes of memory this process may still use: MemAvailable, capped by a cgroup limit.
 uint64_t available_memory_bytes();

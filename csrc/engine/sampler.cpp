@@ -65,11 +65,10 @@ float token_logprobs(const float* logits, int64_t n, int32_t token, int k,
   return logprob(std::isnan(logits[token]) ? -std::numeric_limits<float>::infinity() : logits[token]);
 }
 
-int32_t Sampler::sample(const float* logits, int64_t n) {
-  if (n <= 0) return 0;
+bool Sampler::distribution(const float* logits, int64_t n, size_t& keep_out, double& total_out) {
   // Invalid settings (NaN temperature, ...) are refused by Engine::add_request; here they
   // fall back to greedy rather than to an arbitrary candidate.
-  if (!(p_.temperature > 0.f) || !std::isfinite(p_.temperature) || p_.top_k == 1) return argmax(logits, n);
+  if (!(p_.temperature > 0.f) || !std::isfinite(p_.temperature) || p_.top_k == 1) return false;
   auto& c = cand_;
   c.clear();
   c.reserve(size_t(n));
@@ -79,7 +78,7 @@ int32_t Sampler::sample(const float* logits, int64_t n) {
     pos_inf |= logits[i] == std::numeric_limits<float>::infinity();
   }
   // +inf outweighs every finite logit; no candidate at all leaves only argmax.
-  if (pos_inf || c.empty()) return argmax(logits, n);
+  if (pos_inf || c.empty()) return false;
   auto by_logit = [](const auto& a, const auto& b) { return a.first > b.first; };
   size_t keep = c.size();
   if (p_.top_k > 0 && size_t(p_.top_k) < keep) {
@@ -110,18 +109,66 @@ int32_t Sampler::sample(const float* logits, int64_t n) {
     while (cut < keep && prob[cut] >= p_.min_p) ++cut;
     keep = cut;
   }
-  // Temperature, then draw.
+  // Temperature.
   auto& w = weight_;
   w.resize(keep);
   double total = 0.0;
   for (size_t i = 0; i < keep; ++i) total += (w[i] = std::exp(double(c[i].first - mx) / p_.temperature));
+  keep_out = keep;
+  total_out = total;
+  return true;
+}
+
+int32_t Sampler::sample(const float* logits, int64_t n) {
+  if (n <= 0) return 0;
+  size_t keep = 0;
+  double total = 0.0;
+  if (!distribution(logits, n, keep, total)) return argmax(logits, n);
   std::uniform_real_distribution<double> uni(0.0, total);
   double r = uni(rng_);
   for (size_t i = 0; i < keep; ++i) {
-    r -= w[i];
-    if (r <= 0.0) return c[i].second;
+    r -= weight_[i];
+    if (r <= 0.0) return cand_[i].second;
   }
-  return c[keep - 1].second;
+  return cand_[keep - 1].second;
+}
+
+int32_t Sampler::sample_given_draft(const float* logits, int64_t n, int32_t draft, bool& accepted) {
+  accepted = false;
+  if (n <= 0) return 0;
+  size_t keep = 0;
+  double total = 0.0;
+  if (!distribution(logits, n, keep, total)) {
+    const int32_t t = argmax(logits, n);
+    accepted = t == draft;
+    return t;
+  }
+  double w_draft = 0.0;
+  size_t at = keep;
+  for (size_t i = 0; i < keep; ++i)
+    if (cand_[i].second == draft) {
+      w_draft = weight_[i];
+      at = i;
+      break;
+    }
+  std::uniform_real_distribution<double> uni(0.0, total);
+  if (uni(rng_) < w_draft) {  // probability p(draft)
+    accepted = true;
+    return draft;
+  }
+  // Rejected: a draw from p with the draft's weight removed.
+  const double rest = total - w_draft;
+  if (!(rest > 0.0)) return draft;  // p(draft) = 1 up to rounding: nothing else can come
+  std::uniform_real_distribution<double> uni_rest(0.0, rest);
+  double r = uni_rest(rng_);
+  size_t last = keep;
+  for (size_t i = 0; i < keep; ++i) {
+    if (i == at) continue;
+    last = i;
+    r -= weight_[i];
+    if (r <= 0.0) return cand_[i].second;
+  }
+  return cand_[last].second;
 }
 
 }  // namespace tf

@@ -31,8 +31,17 @@ class Sampler {
   explicit Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {}
   int32_t sample(const float* logits, int64_t n_vocab);
   static int32_t argmax(const float* logits, int64_t n_vocab);
+  // Speculative verification of a drafted token whose draft was deterministic (the draft's
+  // distribution is all on `draft`): with p the distribution sample() draws from, `draft` is
+  // accepted with probability p(draft); otherwise a token is drawn from p without `draft`
+  // (renormalised) — the rejection-sampling residual max(0, p - q) for that q. The result is
+  // distributed exactly as sample()'s. Greedy: the argmax, accepted when it is `draft`.
+  int32_t sample_given_draft(const float* logits, int64_t n_vocab, int32_t draft, bool& accepted);
 
  private:
+  // The candidates (c[0..keep)) and their weights w (sum `total`) that sample() draws from;
+  // false when the settings or the logits leave no choice (greedy, +inf, no finite logit).
+  bool distribution(const float* logits, int64_t n_vocab, size_t& keep, double& total);
   SamplingParams p_;
   std::mt19937_64 rng_;
   // Reused between calls: no allocation per token once warmed up.

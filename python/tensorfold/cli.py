@@ -128,6 +128,36 @@ def _engine_options() -> argparse.ArgumentParser:
     return p
 
 
+def _speculative_options() -> argparse.ArgumentParser:
+    """--draft / --lookup / --draft-mtp / --draft-max: speculative decoding (chat, generate, serve)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("speculative decoding (drafts verified in one batched forward; the output is the "
+                             "model's own, only faster where drafts are accepted)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--draft", default=None, metavar="FILE",
+                     help="a draft model with the same vocabulary, e.g. a low-bit quantization of the same "
+                          "model (its weights, KV cache and scratch are counted in the memory plan)")
+    src.add_argument("--lookup", action="store_true",
+                     help="prompt lookup: draft the tokens that followed the latest earlier occurrence of the "
+                          "text's last few tokens (no extra weights; pays off when the output quotes the input)")
+    src.add_argument("--draft-mtp", action="store_true",
+                     help="the model's own next-token-prediction layers (not implemented yet: refused)")
+    g.add_argument("--draft-max", type=_int_in(1, 32), default=8, metavar="N",
+                   help="drafts per sequence and step at most (default 8); fewer are drafted where acceptance "
+                        "is low or many sequences share a step, none where drafting does not pay")
+    g.add_argument("--draft-fixed", action="store_true",
+                   help="always draft --draft-max tokens where the source has them (no adaptive length)")
+    return p
+
+
+def _draft_of(a: argparse.Namespace) -> str | None:
+    if getattr(a, "lookup", False):
+        return "lookup"
+    if getattr(a, "draft_mtp", False):
+        return "mtp"
+    return getattr(a, "draft", None)
+
+
 _TP_GROUP = "tensor parallel (TP=2: one model over two machines)"
 
 
@@ -240,7 +270,9 @@ def _load(a: argparse.Namespace, model: str):
             eng = Engine(model, threads=a.threads, context=a.context, kv_tokens=a.kv_tokens, tp=a.tp, rank=0,
                          peer=a.peer, rails=a.rails.split(",") if a.rails else None, timeout=a.tp_timeout,
                          token=a.token, memory_budget=a.memory_budget, transport=a.transport,
-                         load_timeout=a.load_timeout, backend=a.backend)
+                         load_timeout=a.load_timeout, backend=a.backend, draft=_draft_of(a),
+                         draft_max=getattr(a, "draft_max", 8),
+                         draft_adaptive=not getattr(a, "draft_fixed", False))
         except (ValueError, MemoryError, OSError, RuntimeError) as e:
             # The command's option names wherever this is reported (serve loads in the background).
             raise _renamed(e, a.command) from None
@@ -616,7 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     # Options several commands share, from parent parsers (each shows as a titled group).
     engine, tp_link, tp_rank0 = _engine_options(), _tp_link_options(), _tp_rank0_options()
-    rank0 = [engine, tp_rank0, tp_link]  # chat, generate, serve: the commands that load a model as rank 0
+    # chat, generate, serve: the commands that load a model as rank 0
+    rank0 = [engine, _speculative_options(), tp_rank0, tp_link]
 
     c = sub.add_parser("chat", help="interactive chat on stdin/stdout", parents=[*rank0, _sampling_options(512)],
                        description="Multi-turn chat with streaming output. Without MODEL the default "

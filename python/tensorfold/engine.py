@@ -254,7 +254,8 @@ class Engine:
                  timeout: float = 30.0, tp_compatible: bool = False, token: str | None = None,
                  memory_budget: int | str | None = None, transport: str = "tcp", wait: float = 0.0,
                  load_timeout: float = 3600.0, prefix_cache: bool = True, backend: str = "cpu",
-                 max_seqs: int = 32):
+                 max_seqs: int = 32, draft: str | None = None, draft_max: int = 8,
+                 draft_adaptive: bool = True):
         self._core = None
         self._following = False
         self._closed = False
@@ -269,6 +270,10 @@ class Engine:
                 _int_in(name, v, lo, hi, note=" (None: automatic)")
         _int_in("max_batch_tokens", max_batch_tokens, 1)
         _int_in("max_seqs", max_seqs, 1, 1 << 16)
+        _int_in("draft_max", draft_max, 1, 32)
+        _check_bool("draft_adaptive", draft_adaptive)
+        if draft is not None and not isinstance(draft, str):
+            raise ArgumentTypeError(f"draft must be None, 'lookup' or a draft model path, not {type(draft).__name__}")
         if not isinstance(kv_type, str):
             raise ArgumentTypeError(f"kv_type must be 'f16' or 'f32', not {type(kv_type).__name__}")
         if kv_type not in ("f16", "f32"):
@@ -300,12 +305,16 @@ class Engine:
             raise ValueError(f"{self.path}: metadata tokenizer.chat_template is a "
                              f"{type(self.chat_template).__name__}, not a string")
         self._check_vocab(None)  # before loading the weights: fail fast
+        draft = draft or ""
+        if draft not in ("", "lookup", "mtp"):
+            draft = resolve_model(draft)
         if tp == 2 and not peer:
             raise ValueError("tp=2 needs peer='HOST:PORT' (where rank 1 listens)")
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
                                   kv_type, tp, rank, peer or "", list(rails or []), float(timeout),
                                   bool(tp_compatible), token, budget, transport, float(wait),
-                                  float(load_timeout), bool(prefix_cache), backend, max_seqs=max_seqs)
+                                  float(load_timeout), bool(prefix_cache), backend, max_seqs=max_seqs,
+                                  draft=draft, draft_max=draft_max, draft_adaptive=draft_adaptive)
         self._config = dict(self._core.config)
         self._context = self._core.context
         self._threads = self._core.threads

@@ -52,11 +52,14 @@ def step(core) -> list[StepEvent]:
 
 
 def add_request(core, prompt: Sequence[int], sampling: Sampling, *, max_tokens: int | None = None,
-                eog_ids: Sequence[int] = (), top_logprobs: int = -1) -> int:
+                eog_ids: Sequence[int] = (), top_logprobs: int = -1, speculative: str = "") -> int:
     """Submits a request to the native engine `core`; returns its id. `sampling.seed` must be
     set (0..2**64-1); max_tokens (default sampling.max_tokens) is what is left to generate;
-    top_logprobs -1: no log-probabilities, k >= 0: the token's and the k most likely."""
+    top_logprobs -1: no log-probabilities, k >= 0: the token's and the k most likely; speculative
+    "" the engine's draft source, "none", "lookup" or "draft"."""
     kw = {"top_logprobs": top_logprobs} if top_logprobs >= 0 else {}  # an older core does not take it
+    if speculative:
+        kw["speculative"] = speculative
     return core.add_request(prompt, sampling.max_tokens if max_tokens is None else max_tokens,
                             sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed,
                             list(eog_ids), sampling.ignore_eos, **kw)

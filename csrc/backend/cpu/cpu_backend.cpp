@@ -78,12 +78,10 @@ class CpuBackend final : public Backend {
       const size_t st = (stride[l] + 63) & ~size_t(63), gst = (gstride[l] + 63) & ~size_t(63);
       bytes += uint64_t(st) * uint64_t(st ? max_rows : 0) + uint64_t(gst) * uint64_t(grows[l]);
       if (count_only) continue;
-      act_[l].stride = st;
-      act_[l].rows = st ? max_rows : 0;
-      act_[l].data.assign(st * size_t(act_[l].rows), 0);
-      grouped_[l].stride = gst;
-      grouped_[l].rows = grows[l];
-      grouped_[l].data.assign(gst * size_t(grows[l]), 0);
+      // Grown, never shrunk: models sharing this backend (a draft model beside its target)
+      // each reserve what they need, and every one keeps room for its products.
+      grow(act_[l], st, st ? max_rows : 0);
+      grow(grouped_[l], gst, grows[l]);
     }
     if (!count_only) jobs_.reserve(256);
     return bytes;
@@ -501,6 +499,14 @@ class CpuBackend final : public Backend {
     const cpu::CpuKernels* k = cpu::find_kernels(t);
     if (!k) cpu::act_layout(t);  // throws, naming the type
     return size_t(k->act);
+  }
+  static void grow(Act& a, size_t stride, int64_t rows) {
+    stride = std::max(stride, a.stride);
+    rows = std::max(rows, a.rows);
+    if (stride == a.stride && rows == a.rows) return;
+    a.stride = stride;
+    a.rows = rows;
+    a.data.assign(stride * size_t(rows), 0);
   }
   static void check_rows(const Act& a, int64_t rows, GgmlType t, int64_t k) {
     TF_CHECK(rows <= a.rows && cpu::act_row_bytes(t, k) <= a.stride, "cpu backend: ", rows,

@@ -1,0 +1,229 @@
+"""Speculative decoding (engine/speculative.h): drafts from prompt lookup or a draft model,
+verified in one batched forward, the rejected ones rolled back in every cache.
+
+Oracles: greedy output without speculation (the bar: identical tokens and log-probabilities,
+single and batched, on every architecture's files as llama.cpp made them, TP=1 and TP=2), and
+for sampling a float64 numpy model of the sampler's distribution (top-k, top-p, min-p in
+llama.cpp's order, then temperature), against which the rejection sampling's emitted tokens
+must pass a chi-square test."""
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+import tensorfold
+from tensorfold import _core
+
+FIX = pathlib.Path(__file__).parent / "fixtures"
+DENSE_Q8 = FIX / "quant" / "dense-Q8_0.gguf"     # llama.cpp's converter + quantizer
+DENSE_Q2 = FIX / "quant" / "dense-Q2_K.gguf"     # the same model, 2-bit: a draft that is often wrong
+MOE = FIX / "quant" / "moe-Q4_K_M.gguf"
+DS2 = FIX / "deepseek2" / "v3" / "llamacpp-f32.gguf"
+DS4 = FIX / "deepseek4" / "llamacpp.gguf"
+
+
+def _prompts(n_vocab: int, seed: int, count: int, length: int = 24) -> list[list[int]]:
+    """Prompts that repeat themselves (so prompt lookup finds matches), over a few tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        base = rng.integers(3, min(n_vocab, 300), size=6).tolist()
+        p = (base * (length // 6 + 1))[:length]
+        p[rng.integers(0, length)] = int(rng.integers(3, min(n_vocab, 300)))
+        out.append(p)
+    return out
+
+
+def _run(engine, prompts, max_tokens, speculative=None, top_logprobs=-1, temperature=0.0):
+    """All prompts at once (batched by the engine), greedy; tokens (and logprobs) per prompt."""
+    core = engine._core
+    ids = []
+    for i, p in enumerate(prompts):
+        spec = speculative[i % len(speculative)] if speculative else ""
+        kw = {"speculative": spec} if spec else {}
+        ids.append(core.add_request(p, max_tokens, temperature, 0, 1.0, 0.0, 1234 + i, [], True, top_logprobs, **kw))
+    toks = {i: [] for i in ids}
+    lps = {i: [] for i in ids}
+    while core.has_unfinished():
+        for ev in core.step():
+            if ev[1] >= 0:
+                toks[ev[0]].append(ev[1])
+                if len(ev) > 4 and ev[4] is not None:
+                    lps[ev[0]].append(ev[4])
+    return [toks[i] for i in ids], [lps[i] for i in ids]
+
+
+def _engine(path, **kw):
+    kw.setdefault("threads", 2)
+    kw.setdefault("context", 256)
+    return tensorfold.Engine(str(path), **kw)
+
+
+# deepseek4: window 8, compression 4 and 128 — 24 + 120 tokens cross every kind of boundary, so
+# rejected drafts are rolled back out of windows, compressed entries and compressor state.
+CASES = [("dense", DENSE_Q8, 40), ("moe", MOE, 40), ("deepseek2", DS2, 40), ("deepseek4", DS4, 120)]
+
+
+@pytest.mark.parametrize("name,path,n", CASES, ids=[c[0] for c in CASES])
+def test_greedy_lookup_equals_plain(name, path, n):
+    """Prompt lookup with a fixed draft length (drafts on every step they can, most rejected on
+    random weights): every sequence's tokens equal the plain run's, alone and in a batch of 4."""
+    if not path.exists():
+        pytest.skip(f"{path} missing")
+    plain = _engine(path)
+    n_vocab = plain.config["n_vocab"]
+    prompts = _prompts(n_vocab, 1, 4)
+    ref, _ = _run(plain, prompts, n)
+    ref_alone, _ = _run(plain, prompts[:1], n)
+    assert ref_alone[0] == ref[0]
+    plain.close()
+    spec = _engine(path, draft="lookup", draft_max=5, draft_adaptive=False)
+    got, _ = _run(spec, prompts, n)
+    alone, _ = _run(spec, prompts[:1], n)
+    st = spec.stats()
+    assert got == ref and alone[0] == ref[0]
+    assert st["spec_drafted"] > 20, st  # drafting really happened
+    assert 0 < st["spec_accepted"] < st["spec_drafted"], st  # some accepted, some rolled back
+    assert st["kv_blocks_used"] == 0  # every sequence's blocks returned
+
+
+def test_draft_model_greedy_and_mixed_sources():
+    """Target Q8_0 with its own Q2_K as draft model (llama.cpp's files): identical tokens and
+    log-probabilities, the requests of one batch each with their own source."""
+    plain = _engine(DENSE_Q8)
+    prompts = _prompts(plain.config["n_vocab"], 2, 5)
+    ref, ref_lp = _run(plain, prompts, 32, top_logprobs=2)
+    plain.close()
+    spec = _engine(DENSE_Q8, draft=str(DENSE_Q2), draft_max=4, draft_adaptive=False)
+    assert spec._core.memory_plan["draft"] > DENSE_Q2.stat().st_size // 2
+    got, lp = _run(spec, prompts, 32, speculative=["", "draft", "lookup", "none", ""], top_logprobs=2)
+    assert got == ref
+    for a, b in zip(lp, ref_lp):
+        assert len(a) == len(b)
+        for (x, tx), (y, ty) in zip(a, b):
+            assert x == pytest.approx(y, abs=1e-5) and [t for t, _ in tx] == [t for t, _ in ty]
+    st = spec.stats()
+    assert st["spec_accepted"] > 0 and st["spec_drafted"] > st["spec_accepted"]
+
+
+def test_smollm2_lookup_quoting(smollm2_path):
+    """The real model quoting its prompt through the chat template: same text, and most drafts
+    accepted; stop strings still cut at the same place."""
+    text = ("TensorFold runs giant mixture-of-experts models on one or two affordable machines. "
+            "Its core is C++, with expert routing, low-bit products and a paged KV cache.")
+    msgs = [{"role": "user", "content": f"Repeat exactly: {text}"}]
+    plain = _engine(smollm2_path)
+    a = plain.generate(messages=msgs, max_tokens=48, temperature=0)
+    s1 = plain.generate(messages=msgs, max_tokens=48, temperature=0, stop=["affordable"])
+    plain.close()
+    spec = _engine(smollm2_path, draft="lookup")
+    b = spec.generate(messages=msgs, max_tokens=48, temperature=0)
+    s2 = spec.generate(messages=msgs, max_tokens=48, temperature=0, stop=["affordable"])
+    st = spec.stats()
+    assert b.token_ids == a.token_ids and b.text == a.text
+    assert s2.text == s1.text and s2.finish_reason == s1.finish_reason
+    assert st["spec_accepted"] >= 0.5 * st["spec_drafted"] > 0, st
+
+
+def test_tp2_lookup_equals_tp1(smollm2_path):
+    """TP=2 (rank 1 a `tensorfold worker` process following rank 0's verify plans, rollbacks
+    included) with prompt lookup: the tokens of TP=1 in compatible mode without speculation."""
+    from test_tp import Pair
+
+    solo = _engine(smollm2_path, tp_compatible=True, threads=1)
+    prompts = _prompts(solo.config["n_vocab"], 3, 3)
+    ref, _ = _run(solo, prompts, 24)
+    solo.close()
+    pair = Pair(smollm2_path, draft="lookup", draft_max=4, draft_adaptive=False)
+    try:
+        got, _ = _run(pair.engine, prompts, 24)
+        st = pair.engine.stats()
+    finally:
+        pair.close()
+    assert got == ref
+    assert st["spec_drafted"] > 0 and st["spec_accepted"] < st["spec_drafted"], st
+
+
+def test_adaptive_stops_drafting_when_drafts_fail():
+    """A draft model that is always wrong would cost a verify token per step for nothing: the
+    adaptive length must stop drafting (a probe now and then)."""
+    spec = _engine(DENSE_Q8, draft=str(DENSE_Q2), draft_max=6)
+    prompts = [list(range(10, 40))]
+    _run(spec, prompts, 64)
+    st = spec.stats()
+    # At most the first tries at the prior rate, then probes of one token every 16 steps.
+    assert st["spec_drafted"] <= 4 * 6 + 64 // 16 + 6, st
+
+
+def test_refusals(smollm2_path):
+    with pytest.raises(Exception, match="vocabulary"):
+        _engine(DENSE_Q8, draft=smollm2_path)
+    with pytest.raises(Exception, match="not implemented"):
+        _engine(DENSE_Q8, draft="mtp")
+    with pytest.raises(ValueError, match="draft_max"):
+        _engine(DENSE_Q8, draft="lookup", draft_max=0)
+    e = _engine(DENSE_Q8, draft="lookup")
+    with pytest.raises(Exception, match="no draft model"):
+        e._core.add_request([1, 2, 3], 4, 0.0, 0, 1.0, 0.0, 1, [], False, -1, speculative="draft")
+    with pytest.raises(Exception, match="speculative must be"):
+        e._core.add_request([1, 2, 3], 4, 0.0, 0, 1.0, 0.0, 1, [], False, -1, speculative="bogus")
+
+
+# -- rejection sampling ----------------------------------------------------------------------
+def _reference_distribution(logits, temperature, top_k, top_p, min_p):
+    """float64: llama.cpp's order — top-k, top-p and min-p on the temperature-1 softmax, then the
+    temperature on what is left."""
+    x = np.asarray(logits, np.float64)
+    order = np.argsort(-x, kind="stable")
+    keep = order[:top_k] if top_k > 0 else order
+    p = np.exp(x[keep] - x[keep[0]])
+    if top_p < 1:
+        c = np.cumsum(p / p.sum())
+        keep = keep[: int(np.searchsorted(c, top_p) + 1)]
+        p = p[: len(keep)]
+    if min_p > 0:
+        n = 1
+        while n < len(keep) and p[n] >= min_p:
+            n += 1
+        keep = keep[:n]
+    w = np.exp((x[keep] - x[keep[0]]) / temperature)
+    out = np.zeros(len(x))
+    out[keep] = w / w.sum()
+    return out
+
+
+SAMPLING = [
+    (1.0, 0, 1.0, 0.0, 2),    # plain softmax; a likely draft
+    (0.7, 0, 1.0, 0.0, 5),    # an unlikely draft
+    (1.3, 6, 0.9, 0.05, 0),   # filters on; draft the most likely token
+    (1.0, 4, 1.0, 0.0, 9),    # a draft outside the top-k: never accepted
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p,draft", SAMPLING)
+def test_rejection_sampling_distribution(temperature, top_k, top_p, min_p, draft):
+    """Emitted tokens ~ the target's distribution whatever the draft (chi-square, 40k draws, a
+    fixed seed), and the draft accepted with its probability."""
+    logits = np.array([1.0, 0.2, 2.0, -0.5, 1.5, -1.0, 0.7, 0.0, 1.1, -2.0], np.float32)
+    p = _reference_distribution(logits, temperature, top_k, top_p, min_p)
+    n = 40000
+    counts, accepted = _core._sample_given_draft(logits, draft, temperature, top_k, top_p, min_p, 99, n)
+    live = p > 0
+    assert counts[~live].sum() == 0, "a filtered-out token was emitted"
+    exp = p[live] * n
+    chi2 = float((((counts[live] - exp) ** 2) / exp).sum())
+    dof = int(live.sum()) - 1
+    # chi-square critical value at p = 0.001 (Wilson-Hilferty approximation)
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3 if dof > 0 else 0.0
+    assert chi2 <= crit, (chi2, crit, counts, exp)
+    assert accepted == pytest.approx(p[draft] * n, abs=4 * np.sqrt(n * p[draft] * (1 - p[draft])) + 1)
+
+
+def test_greedy_verification_is_argmax():
+    logits = np.array([0.1, 3.0, 2.9, -1.0], np.float32)
+    counts, accepted = _core._sample_given_draft(logits, 2, 0.0, 0, 1.0, 0.0, 1, 10)
+    assert counts[1] == 10 and accepted == 0
+    counts, accepted = _core._sample_given_draft(logits, 1, 0.0, 0, 1.0, 0.0, 1, 10)
+    assert counts[1] == 10 and accepted == 10
