@@ -227,3 +227,46 @@ def test_greedy_verification_is_argmax():
     assert counts[1] == 10 and accepted == 0
     counts, accepted = _core._sample_given_draft(logits, 1, 0.0, 0, 1.0, 0.0, 1, 10)
     assert counts[1] == 10 and accepted == 10
+
+
+# -- the server ----------------------------------------------------------------------------------
+def test_server_with_lookup(smollm2_path):
+    """`tensorfold serve --lookup` through the official openai client: the same completions
+    (plain, streamed, with a stop string) as an engine without speculation, drafted/accepted
+    tokens in `usage` (an extension) and acceptance counters in /metrics."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import urllib.request
+
+    from test_server import Running
+    from tensorfold.server import ServerConfig, create_app
+
+    text = "Mixture-of-experts models route every token to a few experts out of many."
+    msgs = [{"role": "user", "content": f"Repeat exactly: {text}"}]
+    plain = _engine(smollm2_path, context=512)
+    ref = plain.generate(messages=msgs, max_tokens=40, temperature=0)
+    stop = ref.text.split()[4]  # a word the output has: the stop string cuts there
+    ref_stop = plain.generate(messages=msgs, max_tokens=40, temperature=0, stop=[stop])
+    assert ref_stop.finish_reason == "stop"
+    plain.close()
+    eng = _engine(smollm2_path, context=512, draft="lookup")
+    srv = Running(create_app(ServerConfig(model_name="m", api_key="k"), engine=eng), eng)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="m", messages=msgs, max_tokens=40, temperature=0)
+        assert r.choices[0].message.content == ref.text
+        u = r.usage.model_dump()
+        assert u["completion_tokens"] == len(ref.token_ids)
+        assert u["drafted_tokens"] >= u["accepted_tokens"] > 0, u
+        parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="m", messages=msgs, max_tokens=40, temperature=0, stream=True) if ch.choices]
+        assert "".join(parts) == ref.text
+        r = c.chat.completions.create(model="m", messages=msgs, max_tokens=40, temperature=0, stop=[stop])
+        assert r.choices[0].message.content == ref_stop.text and r.choices[0].finish_reason == "stop"
+        req = urllib.request.Request(srv.url + "/metrics", headers={"Authorization": "Bearer k"})
+        metrics = urllib.request.urlopen(req, timeout=30).read().decode()
+        drafted = [ln for ln in metrics.splitlines() if ln.startswith("tensorfold_spec_draft_tokens_total")]
+        assert drafted and float(drafted[0].split()[-1]) > 0, metrics[:2000]
+    finally:
+        srv.stop()
+        eng.close()

@@ -248,23 +248,29 @@ void bind_engine(py::module_& m) {
              }
              py::list res;
              for (const auto& o : out) {
-               if (!o.has_logprobs) {
+               const bool spec = o.spec_drafted >= 0;
+               if (!o.has_logprobs && !spec) {
                  res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason)));
                  continue;
                }
                py::object lp = py::none();  // an event without a token (max_tokens=0) has none
-               if (o.token >= 0) {
+               if (o.has_logprobs && o.token >= 0) {
                  py::list top;
                  for (const auto& [tok, l] : o.top) top.append(py::make_tuple(tok, l));
                  lp = py::make_tuple(o.logprob, top);
                }
-               res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason), lp));
+               if (spec)
+                 res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason), lp,
+                                           py::make_tuple(o.spec_drafted, o.spec_accepted)));
+               else
+                 res.append(py::make_tuple(o.request_id, o.token, o.finished, finish_reason_name(o.reason), lp));
              }
              return res;
            },
            "Advance all active requests by one scheduled batch; returns [(id, token, finished, reason)], and "
            "for tokens of requests with top_logprobs >= 0 (id, token, finished, reason, (logprob, "
-           "[(token, logprob), ...]) or None when the event has no token)")
+           "[(token, logprob), ...]) or None when the event has no token), and on the event finishing a request that "
+           "could speculate a sixth item (drafted tokens, accepted drafts)")
       .def("abort", &Engine::abort, py::arg("request_id"), py::call_guard<py::gil_scoped_release>())
       .def("has_unfinished", &Engine::has_unfinished, py::call_guard<py::gil_scoped_release>())
       .def("n_active", &Engine::n_active, py::call_guard<py::gil_scoped_release>())

@@ -314,6 +314,10 @@ void Engine::release_slot(Sequence& s) {
 
 void Engine::finish(Sequence& s, StepOutput&& o, std::vector<StepOutput>& out) {
   o.finished = true;
+  if (s.source) {
+    o.spec_drafted = s.draft_stats.drafted;
+    o.spec_accepted = s.draft_stats.accepted;
+  }
   out.push_back(std::move(o));
   release_slot(s);
 }

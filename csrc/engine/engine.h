@@ -103,6 +103,8 @@ struct StepOutput {
   bool has_logprobs = false;
   float logprob = 0.f;
   std::vector<std::pair<int32_t, float>> top;
+  // On the event that finishes a request that could speculate: its drafted and accepted tokens.
+  int64_t spec_drafted = -1, spec_accepted = -1;
 };
 
 struct EngineStats {

@@ -30,6 +30,7 @@ class StepEvent(NamedTuple):
     reason: str
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    spec: tuple[int, int] | None = None  # finishing event of a speculating request: (drafted, accepted)
 
     @classmethod
     def from_native(cls, ev: Any) -> "StepEvent":
@@ -41,9 +42,10 @@ class StepEvent(NamedTuple):
                        None if top is None else list(top))
         rid, token, finished, reason = ev[:4]
         lp = ev[4] if len(ev) > 4 else None
+        spec = (int(ev[5][0]), int(ev[5][1])) if len(ev) > 5 and ev[5] is not None else None
         if lp is None:
-            return cls(rid, token, finished, reason)
-        return cls(rid, token, finished, reason, float(lp[0]), [(int(t), float(v)) for t, v in lp[1]])
+            return cls(rid, token, finished, reason, spec=spec)
+        return cls(rid, token, finished, reason, float(lp[0]), [(int(t), float(v)) for t, v in lp[1]], spec)
 
 
 def step(core) -> list[StepEvent]:

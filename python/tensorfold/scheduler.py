@@ -95,7 +95,8 @@ class Request:
     """A submitted generation (the handle ``submit`` returns; pass it to ``cancel``)."""
 
     __slots__ = ("prompt_ids", "sampling", "eog_ids", "top_logprobs", "sink", "text", "rid", "state",
-                 "cancelled", "n_generated", "t_submit", "t_first", "t_last", "finish_reason", "error", "held")
+                 "cancelled", "n_generated", "t_submit", "t_first", "t_last", "finish_reason", "error", "held",
+                 "spec")
 
     def __init__(self, prompt_ids: list[int], sampling: Sampling, eog_ids: list[int], top_logprobs: int,
                  text: TextStream, sink: Callable[[Delta], None], stream: bool = True):
@@ -110,6 +111,7 @@ class Request:
         self.state = "waiting"  # -> "running" -> "done"
         self.cancelled = False
         self.n_generated = 0
+        self.spec: tuple[int, int] | None = None  # speculation: (drafted, accepted) once finished
         self.t_submit = time.monotonic()
         self.t_first: float | None = None
         self.t_last: float | None = None
@@ -394,6 +396,8 @@ class Scheduler:
         req = self._running.get(rid)
         if req is None:
             return
+        if ev.spec is not None:
+            req.spec = ev.spec
         lps = None
         if token >= 0:
             req.n_generated += 1

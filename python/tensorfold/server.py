@@ -202,6 +202,13 @@ class _EngineCollector:
              s.get("decode_seconds", 0.0)),
             ("tensorfold_engine_prefill_seconds", "Seconds of engine steps that prefilled (with or without decode)",
              s.get("prefill_seconds", 0.0)),
+            ("tensorfold_spec_verifies", "Speculative decoding: a sequence's drafts verified in a step",
+             s.get("spec_verifies", 0)),
+            ("tensorfold_spec_draft_tokens", "Speculative decoding: tokens drafted", s.get("spec_drafted", 0)),
+            ("tensorfold_spec_accepted_tokens", "Speculative decoding: drafted tokens accepted",
+             s.get("spec_accepted", 0)),
+            ("tensorfold_spec_draft_seconds", "Speculative decoding: seconds spent drafting",
+             s.get("draft_seconds", 0.0)),
         )
         for name, doc, v in counters:
             yield CounterMetricFamily(name, doc, value=v)
@@ -779,7 +786,10 @@ def create_app(config: ServerConfig, *, engine=None, loader: Callable[[], Any] |
         n_prompt = len(ids)
 
         def usage(n_gen: int) -> dict:
-            return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+            u = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+            if req.spec is not None:  # an extension: the speculation behind this completion
+                u["drafted_tokens"], u["accepted_tokens"] = req.spec
+            return u
 
         if p["_stream"]:
             include_usage = p["_include_usage"]
