@@ -261,9 +261,11 @@ def test_expert_groups(tmp_path, name, update, groups):
     assert ("deepseek2.expert_group_used_count" in kv) == (groups is not None)
 
 
-def test_mtp_layers_are_skipped(tmp_path):
+def test_mtp_layers_kept_or_dropped(tmp_path):
     """DeepSeek-V3 checkpoints append multi-token-prediction layers (model.layers.N, N >=
-    num_hidden_layers): skipped like llama.cpp does, the output is unchanged."""
+    num_hidden_layers). Kept by default as llama.cpp's nextn layer (a whole one is converted in
+    tests/test_speculative.py); an incomplete one is refused naming what is missing; mtp=False
+    (--no-mtp) drops it as llama.cpp's V3 converter does: the output is then llama.cpp's."""
     from safetensors.numpy import load_file, save_file
 
     src = _hf("v3")
@@ -273,7 +275,9 @@ def test_mtp_layers_are_skipped(tmp_path):
     st["model.layers.3.self_attn.kv_b_proj.weight"] = np.ones((220, 48), np.float32)
     (d / "model.safetensors").unlink()
     save_file(st, str(d / "model.safetensors"))
-    got = _tensors(gguf.GGUFReader(convert(d, tmp_path / "o.gguf", "f32", progress=False)))
+    with pytest.raises(ConvertError, match=r"model\.layers\.3\."):
+        convert(d, tmp_path / "full.gguf", "f32", progress=False)
+    got = _tensors(gguf.GGUFReader(convert(d, tmp_path / "o.gguf", "f32", progress=False, mtp=False)))
     ref = _tensors(gguf.GGUFReader(FIXTURES / "v3" / "llamacpp-f32.gguf"))
     assert sorted(got) == sorted(ref)
 

@@ -160,8 +160,6 @@ def test_adaptive_stops_drafting_when_drafts_fail():
 def test_refusals(smollm2_path):
     with pytest.raises(Exception, match="vocabulary"):
         _engine(DENSE_Q8, draft=smollm2_path)
-    with pytest.raises(Exception, match="not implemented"):
-        _engine(DENSE_Q8, draft="mtp")
     with pytest.raises(ValueError, match="draft_max"):
         _engine(DENSE_Q8, draft="lookup", draft_max=0)
     e = _engine(DENSE_Q8, draft="lookup")
@@ -270,3 +268,149 @@ def test_server_with_lookup(smollm2_path):
     finally:
         srv.stop()
         eng.close()
+
+
+# -- the model's own next-token-prediction (MTP) layer -------------------------------------------
+@pytest.fixture(scope="module")
+def ds3_mtp(tmp_path_factory):
+    """The DeepSeek-V3 fixture checkpoint with an MTP layer appended as DeepSeek's release has it
+    (model.layers.N: a decoder layer plus eh_proj, enorm, hnorm, shared_head.norm/head and its own
+    embed_tokens), converted to GGUF by our converter. Returns (hf_dir, gguf_path)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    from tensorfold.convert import convert
+
+    src = FIX / "deepseek2" / "v3" / "hf"
+    d = tmp_path_factory.mktemp("ds3-mtp")
+    import json
+    import shutil
+
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, d / f.name)
+    w = load_file(str(src / "model.safetensors"))
+    L, E = cfg["num_hidden_layers"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(11)
+    for name in [n for n in w if n.startswith(f"model.layers.{L - 1}.")]:
+        t = w[name]
+        noise = torch.randn(t.shape, generator=g) * (0.02 if t.dim() > 1 else 0.01)
+        w[name.replace(f"model.layers.{L - 1}.", f"model.layers.{L}.")] = (t + noise.to(t.dtype)).contiguous()
+    m = f"model.layers.{L}."
+    w[m + "eh_proj.weight"] = torch.randn(E, 2 * E, generator=g) * 0.08
+    for k in ("enorm", "hnorm", "shared_head.norm"):
+        w[m + k + ".weight"] = 1 + 0.1 * torch.randn(E, generator=g)
+    w[m + "embed_tokens.weight"] = w["model.embed_tokens.weight"].clone()
+    w[m + "shared_head.head.weight"] = w["lm_head.weight"].clone()
+    save_file(w, str(d / "model.safetensors"))
+    out = d / "ds3-mtp-f32.gguf"
+    convert(str(d), str(out), "f32", progress=False)
+    return d, out
+
+
+def test_converter_keeps_mtp_with_llamacpp_names(ds3_mtp):
+    """The MTP layer becomes blk.N with llama.cpp's nextn tensor names (gguf's own name table)
+    and keys (block_count counts it; nextn_predict_layers)."""
+    import gguf
+
+    _, path = ds3_mtp
+    r = gguf.GGUFReader(str(path))
+    field = lambda k: int(r.fields[k].parts[-1][0])  # noqa: E731
+    assert field("deepseek2.block_count") == 4 and field("deepseek2.nextn_predict_layers") == 1
+    names = {t.name for t in r.tensors}
+    for t in (gguf.MODEL_TENSOR.NEXTN_EH_PROJ, gguf.MODEL_TENSOR.NEXTN_ENORM, gguf.MODEL_TENSOR.NEXTN_HNORM,
+              gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM, gguf.MODEL_TENSOR.NEXTN_EMBED_TOKENS,
+              gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD):
+        assert gguf.TENSOR_NAMES[t].format(bid=3) + ".weight" in names
+    assert "blk.3.attn_q_a.weight" in names and "blk.3.ffn_gate_exps.weight" in names
+
+
+def _rms(x, w, eps):
+    import torch
+
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_mtp_logits_match_transformers_layer(ds3_mtp):
+    """The MTP draft head against a reference built from transformers' own DeepSeek-V3 decoder
+    layer: eh_proj(enorm(embed(t[i+1])) ++ hnorm(final-normed hidden at i)) (llama.cpp's and
+    vLLM's input), the layer with the MTP weights (causal, RoPE at i), shared_head norm and head."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mdl
+
+    hf, path = ds3_mtp
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    cfg = model.config
+    w = load_file(str(hf / "model.safetensors"))
+    L, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
+    ids = _prompts(cfg.vocab_size, 4, 1, 40)[0]
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        h = model.model(input_ids=t).last_hidden_state[0]  # after the final norm
+        m = f"model.layers.{L}."
+        e = w[m + "embed_tokens.weight"][t[0, 1:]]
+        x = torch.cat([_rms(e, w[m + "enorm.weight"], eps), _rms(h[:-1], w[m + "hnorm.weight"], eps)], -1)
+        x = x @ w[m + "eh_proj.weight"].T
+        # transformers loads the MTP layer's decoder weights itself as one more layer
+        deeper = transformers.AutoModelForCausalLM.from_pretrained(
+            str(hf), dtype=torch.float32, attn_implementation="eager", num_hidden_layers=L + 1).eval()
+        layer = deeper.model.layers[L]
+        assert isinstance(layer, mdl.DeepseekV3DecoderLayer)
+        torch.testing.assert_close(layer.self_attn.q_a_proj.weight, w[m + "self_attn.q_a_proj.weight"])
+        n = x.shape[0]
+        pos = torch.arange(n)[None]
+        cos_sin = model.model.rotary_emb(x[None], pos)
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        y = layer(x[None], attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+        y = (y[0] if isinstance(y, tuple) else y)[0]
+        ref = (_rms(y, w[m + "shared_head.norm.weight"], eps) @ w[m + "shared_head.head.weight"].T).numpy()
+    eng = _engine(path, kv_type="f32")  # the reference keeps float K/V
+    got = eng._core.nextn_logits(ids)
+    assert got.shape == ref.shape
+    span = float(ref.max() - ref.min())
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * span)  # measured: 1e-6 of the span
+
+
+@pytest.fixture(scope="module")
+def ds4_mtp(tmp_path_factory):
+    """DeepSeek's release layout of the tiny V4 (FP8 / FP4 experts, with its MTP layer),
+    converted by our converter: the MTP layer becomes llama.cpp's nextn layer blk.4."""
+    from tensorfold.convert import convert
+
+    out = tmp_path_factory.mktemp("ds4-mtp") / "mtp.gguf"
+    convert(str(FIX / "deepseek4" / "official"), str(out), "f32", progress=False)
+    return out
+
+
+MTP_CASES = [("deepseek2", 40), ("deepseek4", 120)]
+
+
+@pytest.mark.parametrize("name,n", MTP_CASES, ids=[c[0] for c in MTP_CASES])
+def test_mtp_greedy_equals_plain(name, n, ds3_mtp, ds4_mtp):
+    """Drafting with the file's own nextn layer (deepseek2: the converted V3 fixture above;
+    deepseek4: the release layout, whose MTP layer has hyper-connection maps of its own and
+    collapses through the main head as llama.cpp runs it): every sequence's tokens equal the
+    plain run's, alone and batched."""
+    path = ds3_mtp[1] if name == "deepseek2" else ds4_mtp
+    plain = _engine(path)
+    prompts = _prompts(plain.config["n_vocab"], 5, 3)
+    ref, _ = _run(plain, prompts, n)
+    plain.close()
+    spec = _engine(path, draft="mtp", draft_adaptive=False)
+    got, _ = _run(spec, prompts, n)
+    alone, _ = _run(spec, prompts[:1], n)
+    st = spec.stats()
+    assert got == ref and alone[0] == ref[0]
+    assert st["spec_drafted"] > n, st  # one draft on (almost) every decode step
+    assert st["kv_blocks_used"] == 0
+
+
+def test_mtp_refused_without_nextn_layers():
+    with pytest.raises(Exception, match="no next-token-prediction"):
+        _engine(DENSE_Q8, draft="mtp")

@@ -288,6 +288,21 @@ void bind_engine(py::module_& m) {
              return a;
            },
            py::arg("ids"))
+      .def("nextn_logits",
+           [](Engine& e, const std::vector<int32_t>& ids) {
+             const int64_t V = e.config().n_vocab;
+             py::array_t<float> a({std::max<int64_t>(0, int64_t(ids.size()) - 1), V});
+             float* out = a.mutable_data();
+             {
+               py::gil_scoped_release nogil;
+               InterruptScope ctrl_c;
+               e.nextn_logits(ids, out);
+             }
+             return a;
+           },
+           py::arg("ids"),
+           "the next-token-prediction (MTP) layer's logits: row i predicts token i + 2 from the hidden state at i "
+           "and token i + 1")
       .def("routing",
            [](Engine& e, const std::vector<int32_t>& ids) {
              std::vector<std::vector<int32_t>> tr;

@@ -117,9 +117,7 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
            kMaxKvTokens, "] (0: automatic), got ", opts.kv_tokens);
   TF_CHECK(opts.draft_max >= 1 && opts.draft_max <= kMaxDrafts, "draft_max must be an integer in [1, ", kMaxDrafts,
            "], got ", opts.draft_max);
-  if (opts.draft == "mtp")
-    fail(ErrorKind::Unsupported, "draft 'mtp': drafting with the model's own next-token-prediction layers is not "
-         "implemented yet; use draft='lookup' or a draft model file");
+
   file_ = GgufFile::open(model_path);
   tp_ = opts.tp;
   TF_CHECK(tp_.size == 1 || tp_.size == 2, "tensor parallel size must be 1 or 2, got ", tp_.size);
@@ -198,6 +196,10 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     lookup_ = make_prompt_lookup();
     if (opts.draft == "lookup") {
       default_source_ = lookup_.get();
+    } else if (opts.draft == "mtp") {
+      mtp_ = make_mtp(*model_, *be_, draft_sizes(opts, geometry));
+      default_source_ = mtp_.get();
+      hidden_.assign(size_t(max_batch_tokens_) * size_t(model_->hidden_width()), 0.f);
     } else if (!opts.draft.empty()) {
       draft_model_ = make_draft_model(opts.draft, *file_, *be_, draft_sizes(opts, geometry));
       default_source_ = draft_model_.get();
@@ -282,14 +284,16 @@ int64_t Engine::add_request(const std::vector<int32_t>& prompt, const RequestPar
            params.top_logprobs);
   const std::string& spec = params.speculative;
   TF_CHECK(spec.empty() || spec == "none" || spec == "lookup" || spec == "draft" || spec == "mtp",
-           "speculative must be '' (the engine's), 'none', 'lookup' or 'draft', got '", spec, "'");
+           "speculative must be '' (the engine's), 'none', 'lookup', 'draft' or 'mtp', got '", spec, "'");
   TF_CHECK(spec != "draft" || draft_model_, "speculative 'draft': this engine has no draft model (start it with one)");
-  TF_CHECK(spec != "mtp", "speculative 'mtp': drafting with next-token-prediction layers is not implemented yet");
+  TF_CHECK(spec != "mtp" || mtp_, "speculative 'mtp': this engine does not draft with the model's next-token-"
+           "prediction layers (start it with draft='mtp')");
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t id = next_id_++;
   auto seq = std::make_unique<Sequence>(id, prompt, params);
   seq->source = spec.empty() ? default_source_ : spec == "lookup" ? lookup_.get()
                 : spec == "draft"              ? draft_model_.get()
+                : spec == "mtp"                ? static_cast<DraftSource*>(mtp_.get())
                                                : nullptr;
   seqs_.emplace(id, std::move(seq));
   return id;
@@ -418,7 +422,7 @@ std::vector<StepOutput> Engine::step() {
   if (batch_.empty()) return out;
 
   const auto t0 = std::chrono::steady_clock::now();
-  run_forward(batch_, logits_.data());
+  run_forward(batch_, logits_.data(), mtp_ ? hidden_.data() : nullptr);
   check_weights_intact();
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ++stats_.steps;
@@ -441,14 +445,16 @@ std::vector<StepOutput> Engine::step() {
     Sequence& s = *batch_owner_[i];
     size_t j = i;
     while (j < batch_.size() && batch_owner_[j] == &s) ++j;
+    const float* hid = mtp_ && s.source == mtp_.get() ? hidden_.data() + i * size_t(model_->hidden_width()) : nullptr;
     if (!s.drafts.empty()) {  // its token and its drafts, each with logits
       s.n_computed = size_t(batch_[i].pos) + 1;
-      if (verify(s, logits_.data() + size_t(row) * size_t(V), out)) done.push_back(s.id);
+      if (verify(s, logits_.data() + size_t(row) * size_t(V), hid, out)) done.push_back(s.id);
       row += int(j - i);
       i = j;
       continue;
     }
     s.n_computed = size_t(batch_[j - 1].pos) + 1;
+    if (hid) mtp_->observe_hidden(s.id, batch_[i].pos, hid, int64_t(j - i));
     // After its last token, its newly full blocks (prompt and generated tokens alike) join the
     // prefix cache, and window groups let go of what no later token reads.
     kv_->advance(s.slot, s.tokens.data(), int64_t(s.n_computed));
@@ -509,7 +515,7 @@ void Engine::add_drafts(int& budget, int& logit_rows) {
   // Proposals, per source.
   std::vector<DraftSource::Request> reqs;
   std::vector<size_t> req_at;
-  for (DraftSource* src : {lookup_.get(), draft_model_.get()}) {
+  for (DraftSource* src : {lookup_.get(), draft_model_.get(), static_cast<DraftSource*>(mtp_.get())}) {
     if (!src) continue;
     reqs.clear();
     req_at.clear();
@@ -557,7 +563,7 @@ void Engine::add_drafts(int& budget, int& logit_rows) {
   batch_owner_.swap(owner);
 }
 
-bool Engine::verify(Sequence& s, const float* lg, std::vector<StepOutput>& out) {
+bool Engine::verify(Sequence& s, const float* lg, const float* hidden, std::vector<StepOutput>& out) {
   const int64_t V = config().n_vocab;
   const int nd = int(s.drafts.size());
   int accepted = 0;
@@ -576,6 +582,8 @@ bool Engine::verify(Sequence& s, const float* lg, std::vector<StepOutput>& out) 
   s.draft_stats.record(nd, accepted);
   s.drafts.clear();
   if (finished) return true;  // its slot is released
+  // The target's hidden states of the positions kept: its token's and the accepted drafts'.
+  if (hidden) mtp_->observe_hidden(s.id, int64_t(s.n_computed) - 1 - accepted, hidden, 1 + accepted);
   // The rejected drafts' rows go from every cache; then the prefix cache and windows advance.
   if (!kv_->truncate(s.slot, int64_t(s.n_computed))) {
     preempt(s);  // cannot roll back (no block for a copy): recompute it later
@@ -624,6 +632,46 @@ void Engine::logits_locked(const std::vector<int32_t>& ids, float* out) {
     throw;
   }
   kv_->free_sequence(slot);
+}
+
+void Engine::nextn_logits(const std::vector<int32_t>& ids, float* out) {
+  require_leader("nextn_logits");
+  const std::string why = model_->nextn_unsupported(0);
+  TF_CHECK(why.empty(), "nextn_logits: ", why);
+  TF_CHECK(ids.size() >= 2 && int64_t(ids.size()) <= context_, "nextn_logits: give 2 to ", context_, " tokens");
+  for (int32_t t : ids)
+    TF_CHECK(t >= 0 && t < config().n_vocab, "token id ", t, " is outside the vocabulary");
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t E = model_->hidden_width(), V = config().n_vocab, n = int64_t(ids.size());
+  const size_t chunk = size_t(std::min(max_batch_tokens_, kMaxLogitRows));
+  // The target's hidden states at every position.
+  std::vector<float> hidden(size_t(n * E));
+  const int slot = kv_->create_sequence();
+  TF_CHECK(slot >= 0 && kv_->reserve(slot, n), "nextn_logits: no room in the KV cache");
+  std::vector<BatchToken> batch;
+  try {
+    for (size_t b = 0; b < ids.size(); b += chunk) {
+      batch.clear();
+      for (size_t i = b; i < std::min(ids.size(), b + chunk); ++i) batch.push_back({ids[i], int32_t(i), slot, false});
+      model_->forward(batch, *kv_, nullptr, hidden.data() + b * size_t(E));
+      kv_->advance(slot, nullptr, int64_t(b + batch.size()));
+    }
+  } catch (...) {
+    kv_->free_sequence(slot);
+    throw;
+  }
+  kv_->free_sequence(slot);
+  // The layer over the pairs (hidden i, token i + 1), in a cache of its own.
+  KvCache cache(model_->nextn_kv_specs(0), KvSizing{(n + kKvBlockSize) / kKvBlockSize * kKvBlockSize, 1, max_batch_tokens_},
+                kv_->type(), *be_);
+  const int s = cache.create_sequence();
+  TF_CHECK(s >= 0 && cache.reserve(s, n - 1), "nextn_logits: no room in the layer's cache");
+  for (size_t b = 0; b + 1 < ids.size(); b += chunk) {
+    batch.clear();
+    for (size_t i = b; i + 1 < ids.size() && i < b + chunk; ++i) batch.push_back({ids[i + 1], int32_t(i), s, true});
+    model_->forward_nextn(0, batch, hidden.data() + b * size_t(E), cache, out + b * size_t(V));
+    cache.advance(s, nullptr, int64_t(b + batch.size()));
+  }
 }
 
 std::vector<std::vector<int32_t>> Engine::routing(const std::vector<int32_t>& ids) {

@@ -67,8 +67,9 @@ struct EngineOptions {
   // Sequences at once the windowed caches (sliding windows, compressors' pending rows) are
   // sized for: each holds window + one step of rows per sequence, not kv_tokens.
   int max_seqs = 32;
-  // Speculative decoding (engine/speculative.h): "" none, "lookup" (prompt lookup), or the path
-  // of a draft model GGUF with the same vocabulary. Prompt lookup is also open to every request
+  // Speculative decoding (engine/speculative.h): "" none, "lookup" (prompt lookup), "mtp" (the
+  // model's own next-token-prediction layer), or the path of a draft model GGUF with the same
+  // vocabulary. Prompt lookup is also open to every request
   // of an engine with a draft model. draft_max: drafts per sequence and step, at most.
   std::string draft;
   int draft_max = 8;
@@ -84,8 +85,8 @@ struct RequestParams {
   // Log-probabilities of the output tokens: -1 off; 0 the sampled token's; k in 1..20 also
   // the k most likely tokens' (see StepOutput).
   int top_logprobs = -1;
-  // Speculation for this request: "" the engine's (EngineOptions::draft), "none", "lookup", or
-  // "draft" (the engine's draft model). The output is the same either way.
+  // Speculation for this request: "" the engine's (EngineOptions::draft), "none", "lookup",
+  // "draft" (the engine's draft model) or "mtp" (when the engine drafts with it). The output is the same either way.
   std::string speculative;
 };
 
@@ -159,6 +160,10 @@ class Engine {
   // Logits of every position of `ids` as one fresh sequence, written to `out`
   // ([ids.size(), n_vocab] floats; the caller allocates, so the result exists only once).
   void logits(const std::vector<int32_t>& ids, float* out);
+  // The next-token-prediction layer's logits for `ids` as one fresh sequence: row i predicts
+  // token i + 2 from the target's hidden state at i and token i + 1 ([ids.size() - 1, n_vocab];
+  // checks the MTP draft head against a reference). TP=1.
+  void nextn_logits(const std::vector<int32_t>& ids, float* out);
   // The experts each MoE layer chooses for every position of `ids`: [n_layer][len * n_used]
   // (empty for dense layers).
   std::vector<std::vector<int32_t>> routing(const std::vector<int32_t>& ids);
@@ -206,7 +211,8 @@ class Engine {
   void add_drafts(int& budget, int& logit_rows);
   // Verification of s's drafts against logits rows from `lg` (its token's row first).
   // True when s finished.
-  bool verify(Sequence& s, const float* lg, std::vector<StepOutput>& out);
+  // hidden: the target's last hidden states of its rows (for the MTP source), or null.
+  bool verify(Sequence& s, const float* lg, const float* hidden, std::vector<StepOutput>& out);
   void release_slot(Sequence& s);
   void logits_locked(const std::vector<int32_t>& ids, float* out);
   // TP follower: checks plan_ field by field, fills batch_ and mirrors the block tables.
@@ -217,7 +223,7 @@ class Engine {
   // once both ranks have loaded (a barrier with its own deadline, load_timeout_s).
   void load_with_heartbeat(TpShard shard);
   // Rank 0: runs one forward on every rank (plan broadcast first under TP).
-  void run_forward(const std::vector<BatchToken>& batch, float* logits);
+  void run_forward(const std::vector<BatchToken>& batch, float* logits, float* hidden = nullptr);
   // Throws when a weight read faulted past the end of a shrunk model file (gguf/mapping_guard.h).
   void check_weights_intact() const;
   void send_command(int64_t cmd, const std::vector<int32_t>& payload);
@@ -234,6 +240,8 @@ class Engine {
   std::unique_ptr<ActivationStats> act_stats_;  // calibration collector while attached
   std::unique_ptr<KvCache> kv_;
   std::unique_ptr<DraftSource> lookup_, draft_model_;  // speculation sources (null: none)
+  std::unique_ptr<MtpSource> mtp_;
+  std::vector<float> hidden_;  // the last hidden states of a step's tokens (MTP reads them)
   DraftSource* default_source_ = nullptr;
   std::unique_ptr<DraftPolicy> draft_policy_;
   mutable std::mutex mu_;              // guards everything below that changes after start-up

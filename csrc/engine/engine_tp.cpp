@@ -78,9 +78,9 @@ void Engine::heartbeat_loop() {
   }
 }
 
-void Engine::run_forward(const std::vector<BatchToken>& batch, float* logits) {
+void Engine::run_forward(const std::vector<BatchToken>& batch, float* logits, float* hidden) {
   if (!group_) {
-    model_->forward(batch, *kv_, logits);
+    model_->forward(batch, *kv_, logits, hidden);
     return;
   }
   std::lock_guard<std::mutex> lock(comm_mu_);

@@ -185,7 +185,105 @@ class DraftModel final : public DraftSource {
   std::unordered_map<int64_t, State> seqs_;
 };
 
+// ---- next-token prediction (MTP) --------------------------------------------------------------
+class Mtp final : public MtpSource {
+ public:
+  Mtp(Model& target, Backend& be, const DraftModelSizes& z) : model_(target), sizes_(z) {
+    const std::string why = target.nextn_unsupported(0);
+    if (!why.empty()) fail(ErrorKind::Unsupported, "draft 'mtp': ", why);
+    kv_ = std::make_unique<KvCache>(target.nextn_kv_specs(0), KvSizing{z.kv_tokens, z.max_seqs, z.max_batch_tokens},
+                                    z.kv_type, be);
+    kv_->prefault();
+    E_ = target.hidden_width();
+    logits_.assign(size_t(Model::kMaxLogitRows) * size_t(target.config().n_vocab), 0.f);
+  }
+  std::string name() const override { return "mtp"; }
+
+  void observe_hidden(int64_t id, int64_t pos, const float* rows, int64_t count) override {
+    State& st = seqs_[id];
+    if (pos != st.done + int64_t(st.hidden.size() / size_t(E_))) {  // not the next positions: start over
+      drop(id);
+      if (pos != 0) return;  // the layer's cache needs every position from the start
+    }
+    State& s2 = seqs_[id];
+    s2.hidden.insert(s2.hidden.end(), rows, rows + size_t(count * E_));
+  }
+
+  void propose(std::vector<Request>& reqs) override {
+    const double t0 = now_s();
+    const int64_t V = model_.config().n_vocab;
+    std::vector<BatchToken> batch;
+    std::vector<float> hid;
+    std::vector<Request*> rows;
+    auto flush = [&] {
+      if (batch.empty()) return;
+      model_.forward_nextn(0, batch, hid.data(), *kv_, logits_.data());
+      for (size_t i = 0; i < rows.size(); ++i)
+        rows[i]->drafts.push_back(Sampler::argmax(logits_.data() + i * size_t(V), V));
+      batch.clear();
+      hid.clear();
+      rows.clear();
+    };
+    for (Request& r : reqs) {
+      r.drafts.clear();
+      auto it = seqs_.find(r.id);
+      if (r.k <= 0 || it == seqs_.end()) continue;
+      State& st = it->second;
+      const std::vector<int32_t>& t = *r.tokens;
+      const int64_t n = int64_t(t.size()), have = int64_t(st.hidden.size() / size_t(E_));
+      // Pairs (hidden at i, token i + 1) for i = done .. n - 2: the last predicts token n.
+      if (st.done + have != n - 1 || have == 0) continue;
+      if (st.slot < 0) st.slot = kv_->create_sequence();
+      if (st.slot < 0 || !kv_->reserve(st.slot, n - 1)) {
+        drop(r.id);
+        continue;
+      }
+      for (int64_t i = st.done; i < n - 1; ++i) {
+        if (int(batch.size()) == sizes_.max_batch_tokens || int(rows.size()) == Model::kMaxLogitRows) flush();
+        batch.push_back({t[size_t(i + 1)], int32_t(i), int32_t(st.slot), i == n - 2});
+        hid.insert(hid.end(), st.hidden.begin() + (i - st.done) * E_, st.hidden.begin() + (i - st.done + 1) * E_);
+        if (i == n - 2) rows.push_back(&r);
+      }
+      st.done = n - 1;
+      st.hidden.clear();
+    }
+    flush();
+    for (Request& r : reqs) {
+      drafted_ += int64_t(r.drafts.size());
+      auto it = seqs_.find(r.id);
+      if (it != seqs_.end() && it->second.slot >= 0) kv_->advance(it->second.slot, nullptr, it->second.done);
+    }
+    seconds_ += now_s() - t0;
+  }
+
+  void release(int64_t id) override { drop(id); }
+
+ private:
+  struct State {
+    int slot = -1;
+    int64_t done = 0;           // positions whose pair the layer has computed (its cache)
+    std::vector<float> hidden;  // the target's hidden states at the next positions, waiting
+  };
+  void drop(int64_t id) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) return;
+    if (it->second.slot >= 0) kv_->free_sequence(it->second.slot);
+    seqs_.erase(it);
+  }
+
+  Model& model_;
+  DraftModelSizes sizes_;
+  std::unique_ptr<KvCache> kv_;
+  int64_t E_ = 0;
+  std::vector<float> logits_;
+  std::unordered_map<int64_t, State> seqs_;
+};
+
 }  // namespace
+
+std::unique_ptr<MtpSource> make_mtp(Model& target, Backend& be, const DraftModelSizes& sizes) {
+  return std::make_unique<Mtp>(target, be, sizes);
+}
 
 std::unique_ptr<DraftSource> make_prompt_lookup(int ngram_min, int ngram_max) {
   TF_CHECK(ngram_min >= 1 && ngram_max >= ngram_min, "prompt lookup: bad n-gram sizes");

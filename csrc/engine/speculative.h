@@ -76,6 +76,16 @@ std::unique_ptr<DraftSource> make_draft_model(const std::string& path, const Ggu
 // activation scratch (by the same rules as the target's).
 uint64_t draft_model_bytes(const std::string& path, const DraftModelSizes& sizes);
 
+// The target's own next-token-prediction layer (DeepSeek MTP): one draft per step. It reads the
+// target's last hidden states, which the engine hands over for every position it computes
+// (observe_hidden), and keeps its own cache of that layer (positions of the sequence, never
+// speculative: nothing to roll back).
+class MtpSource : public DraftSource {
+ public:
+  virtual void observe_hidden(int64_t id, int64_t pos, const float* rows, int64_t count) = 0;
+};
+std::unique_ptr<MtpSource> make_mtp(Model& target, Backend& be, const DraftModelSizes& sizes);
+
 // Per-sequence acceptance and the online cost model; chooses each sequence's draft length.
 class DraftPolicy {
  public:

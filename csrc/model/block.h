@@ -95,6 +95,14 @@ class ResidualPolicy {
   virtual void layer(StepContext& ctx, AttentionBlock& attn, FfnBlock& ffn) = 0;
   // The hidden state the head reads, [T][n_embd].
   virtual const float* end(StepContext& ctx) = 0;
+  // Whether it can run layer `il` (a next-token-prediction layer may lack what it needs).
+  virtual bool has_layer(int il) const { (void)il; return true; }
+  // The residual state after the last layer, before end(): [T][state_width()] (one stream: the
+  // hidden state; hyper-connections: every stream), and a start from such a state instead of
+  // the embeddings (a next-token-prediction layer's input).
+  virtual int64_t state_width() const = 0;
+  virtual const float* state() const = 0;
+  virtual void begin_state(StepContext& ctx, const float* state) = 0;
 };
 
 // The blocks of each kind (model/kinds.cpp).

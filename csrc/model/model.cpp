@@ -40,6 +40,10 @@ Model::Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp)
     n.enorm = loader_.vector(c.prefix + "nextn.enorm.weight", E);
     n.hnorm = loader_.vector(c.prefix + "nextn.hnorm.weight", E);
     n.head_norm = loader_.vector(c.prefix + "nextn.shared_head_norm.weight", E, false);
+    // llama.cpp's nextn tensors may carry the embedding and head again (DeepSeek's MTP block has
+    // its own copies); used when present, as llama.cpp does.
+    n.embed = loader_.weight(c.prefix + "nextn.embed_tokens.weight", E, cfg_.n_vocab, false, false);
+    n.head = loader_.weight(c.prefix + "nextn.shared_head_head.weight", E, cfg_.n_vocab, false);
     nextn_.push_back(std::move(n));
   }
   residual_ = make_residual(cfg_, loader_);
@@ -60,8 +64,27 @@ Model::Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp)
     L.attn->set_kv_base(kv_base);
     kv_base += int(L.attn->kv_specs().size());
   }
+  for (NextnLayer& n : nextn_) {
+    n.blocks.attn->prepare(loader_);
+    n.blocks.ffn->prepare(loader_);
+    n.blocks.attn->set_kv_base(0);  // in its own cache
+  }
   residual_->prepare(loader_);
   reset_expert_usage();
+}
+
+std::vector<KvSpec> Model::nextn_kv_specs(int j) const {
+  TF_CHECK(j >= 0 && j < int(nextn_.size()), "next-token-prediction layer ", j, " does not exist");
+  return nextn_[size_t(j)].blocks.attn->kv_specs();
+}
+
+std::string Model::nextn_unsupported(int j) const {
+  if (j < 0 || j >= int(nextn_.size())) return "the model file has no next-token-prediction (nextn) layers";
+  if (tp_.size > 1) return "next-token prediction runs with TP=1 only";
+  if (!residual_->has_layer(cfg_.n_layer + j))
+    return "its next-token-prediction layer has no hyper-connection maps (blk." + std::to_string(cfg_.n_layer + j) +
+           ".hc_attn_*) in the file";
+  return "";
 }
 
 Model::~Model() = default;
@@ -97,6 +120,18 @@ void Model::plan(Scratch& s, int64_t T) {
     L.attn->plan_scratch(s, T);
     L.ffn->plan_scratch(s, T);
   }
+  if (!nextn_.empty()) {
+    const int64_t S = residual_->state_width() / E;  // streams
+    nextn_in_ = s.f32("nextn.in", T * S * 2 * E);
+    nextn_x_ = s.f32("nextn.x", T * S * E);
+    nextn_h_ = s.f32("nextn.h", T * S * E);
+    for (NextnLayer& n : nextn_) {
+      s.product(n.eh_proj, T * S);
+      if (n.head.data) s.product(n.head, std::min<int64_t>(T, kMaxLogitRows));
+      n.blocks.attn->plan_scratch(s, T);
+      n.blocks.ffn->plan_scratch(s, T);
+    }
+  }
 }
 
 double Model::reserve(int max_tokens, int64_t max_ctx, bool count_only) {
@@ -115,13 +150,11 @@ double Model::reserve(int max_tokens, int64_t max_ctx, bool count_only) {
   return bytes;
 }
 
-void Model::forward(const std::vector<BatchToken>& batch, KvCache& kv, float* logits, float* hidden) {
+void Model::load_batch(const std::vector<BatchToken>& batch) {
   const int64_t T = int64_t(batch.size());
   TF_CHECK(T > 0 && T <= max_tokens_, "batch of ", T, " tokens exceeds the reserved ", max_tokens_);
-  Backend& be = *be_;
-  const int64_t E = cfg_.n_embd;
   const int rd = cfg_.rope_dim;
-  // Embedding rows and the rotary angles of each token (shared by all layers).
+  // Token ids and the rotary angles of each token (shared by all layers).
   for (int64_t t = 0; t < T; ++t) {
     const BatchToken& bt = batch[size_t(t)];
     TF_CHECK(bt.token >= 0 && bt.token < cfg_.n_vocab, "token id ", bt.token, " out of range");
@@ -131,6 +164,43 @@ void Model::forward(const std::vector<BatchToken>& batch, KvCache& kv, float* lo
     ends_[t] = int64_t(bt.pos) + 1;
     rope_angles(cfg_, bt.pos, rope_cs_ + t * rd);
   }
+}
+
+void Model::forward_nextn(int j, const std::vector<BatchToken>& batch, const float* hidden, KvCache& kv,
+                          float* logits) {
+  const std::string why = nextn_unsupported(j);
+  TF_CHECK(why.empty(), "next-token prediction: ", why);
+  NextnLayer& n = nextn_[size_t(j)];
+  load_batch(batch);
+  const int64_t T = int64_t(batch.size()), E = cfg_.n_embd;
+  Backend& be = *be_;
+  const int64_t W = residual_->state_width(), S = W / E;
+  be.embed(n.embed.data ? n.embed : tok_embd_, tokens_, T, emb_, E);
+  be.from_host(nextn_h_, hidden, size_t(T * W) * sizeof(float));
+  // One stream: the hidden state as the LM head reads it (after the final norm), as llama.cpp,
+  // vLLM and SGLang feed DeepSeek's MTP layer. Streams: each as it is (llama.cpp's V4 graph).
+  const float* h = nextn_h_;
+  if (S == 1) {
+    be.rmsnorm(nextn_h_, E, output_norm_, xn_, E, T, E, cfg_.rms_eps);
+    h = xn_;
+  }
+  for (int64_t st = 0; st < S; ++st) {
+    be.rmsnorm(emb_, E, n.enorm, nextn_in_ + st * 2 * E, S * 2 * E, T, E, cfg_.rms_eps);
+    be.rmsnorm(h + st * E, W, n.hnorm, nextn_in_ + st * 2 * E + E, S * 2 * E, T, E, cfg_.rms_eps);
+  }
+  const Product p{&n.eh_proj, nextn_x_, E};
+  be.matmul(nextn_in_, T * S, 2 * E, &p, 1);  // every (token, stream) row: [T][S][E]
+  StepContext ctx{be, kv, cfg_, tp_, batch, T, tokens_, seqs_, ends_, rope_cs_, cfg_.n_layer + j, false};
+  residual_->begin_state(ctx, nextn_x_);
+  residual_->layer(ctx, *n.blocks.attn, *n.blocks.ffn);
+  head(ctx, residual_->end(ctx), logits, n.head_norm ? n.head_norm : output_norm_, n.head.data ? &n.head : nullptr);
+}
+
+void Model::forward(const std::vector<BatchToken>& batch, KvCache& kv, float* logits, float* hidden) {
+  load_batch(batch);
+  const int64_t T = int64_t(batch.size());
+  Backend& be = *be_;
+  const int64_t E = cfg_.n_embd;
   if (tp_.size > 1) {
     // Under TP the mapping stays untouched: the batch's embedding rows read with pread.
     Weight rows = tok_embd_;
@@ -150,26 +220,29 @@ void Model::forward(const std::vector<BatchToken>& batch, KvCache& kv, float* lo
     ctx.layer = il;
     residual_->layer(ctx, *layers_[size_t(il)].attn, *layers_[size_t(il)].ffn);
   }
-  const float* h = residual_->end(ctx);
-  if (hidden) be.to_host(hidden, h, size_t(T * E) * sizeof(float));
-  head(ctx, h, logits);
+  if (hidden) be.to_host(hidden, residual_->state(), size_t(T * residual_->state_width()) * sizeof(float));
+  head(ctx, residual_->end(ctx), logits);
 }
 
-void Model::head(StepContext& ctx, const float* h, float* logits) {
+int64_t Model::hidden_width() const { return residual_->state_width(); }
+
+void Model::head(StepContext& ctx, const float* h, float* logits, const float* norm, const Weight* out) {
+  if (!norm) norm = output_norm_;
+  if (!out) out = &output_;
   // Final norm and LM head, only for the tokens whose logits are wanted.
   Backend& be = ctx.be;
   const int64_t T = ctx.T, E = cfg_.n_embd, V = cfg_.n_vocab;
   int64_t n_out = 0;
   for (int64_t t = 0; t < T; ++t) {
     if (!ctx.batch[size_t(t)].want_logits) continue;
-    be.rmsnorm(h + t * E, E, output_norm_, xn_ + n_out * E, E, 1, E, cfg_.rms_eps);
+    be.rmsnorm(h + t * E, E, norm, xn_ + n_out * E, E, 1, E, cfg_.rms_eps);
     ++n_out;
   }
   if (n_out == 0 || !logits) return;
   TF_CHECK(n_out <= kMaxLogitRows, "too many logit rows for one forward");
   if (stats_) stats_->record(stat_output_, xn_, n_out, E);
   if (tp_.size == 1) {
-    const Product p{&output_, logits, V};
+    const Product p{out, logits, V};
     be.matmul(xn_, n_out, E, &p, 1);
     return;
   }

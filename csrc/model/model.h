@@ -50,7 +50,23 @@ class Model {
   // Runs the batch. For each token with want_logits, writes n_vocab floats to `logits`
   // (consecutive rows, batch order). hidden (optional): the last hidden state of every token,
   // [T][n_embd], before the final norm (draft heads and embeddings read it).
+  // hidden (optional): the residual state after the last layer, [T][hidden_width()] (one
+  // stream: the hidden state before the final norm; V4: all hyper-connection streams).
   void forward(const std::vector<BatchToken>& batch, KvCache& kv, float* logits, float* hidden = nullptr);
+  int64_t hidden_width() const;
+
+  // Next-token prediction layer j (a draft head, DeepSeek's MTP), as llama.cpp's MTP graphs run
+  // it: token i of the batch is the token at pos + 1 of its sequence, hidden row i forward()'s
+  // hidden row at pos ([T][hidden_width()], host). One stream: eh_proj(enorm(embedding) ++
+  // hnorm(output_norm(hidden))); hyper-connections: the same for every stream (hnorm of each
+  // stream, no final norm), which start the layer's streams. Then the layer's blocks with its own
+  // cache `kv` (nextn_kv_specs), the residual's end, the shared head's norm and the head: logits
+  // of the token at pos + 2 for every token with want_logits. TP=1 only.
+  void forward_nextn(int j, const std::vector<BatchToken>& batch, const float* hidden, KvCache& kv, float* logits);
+  // The cache streams of next-token-prediction layer j (its own KvCache).
+  std::vector<KvSpec> nextn_kv_specs(int j) const;
+  // Whether layer j can run (V4: its hyper-connection maps are in the file), and why not.
+  std::string nextn_unsupported(int j) const;
 
   // Tokens routed to each expert so far: [n_layer][n_expert] (zeros for dense layers).
   std::vector<std::vector<int64_t>> expert_usage() const;
@@ -70,7 +86,10 @@ class Model {
   };
   void plan(Scratch& s, int64_t T);
   AttentionKind nextn_attention(int il) const;
-  void head(StepContext& ctx, const float* h, float* logits);
+  void head(StepContext& ctx, const float* h, float* logits, const float* norm = nullptr,
+            const Weight* out = nullptr);
+  // Token ids, slots, positions and rotary angles of a batch into the model's scratch.
+  void load_batch(const std::vector<BatchToken>& batch);
 
   std::shared_ptr<GgufFile> file_;
   Backend* be_;
@@ -86,6 +105,7 @@ class Model {
   struct NextnLayer {
     Layer blocks;
     Weight eh_proj;  // [2 n_embd] -> n_embd: (enorm(embedding), hnorm(hidden))
+    Weight embed, head;  // its own embedding and LM head when the file has them (else the model's)
     const float *enorm = nullptr, *hnorm = nullptr, *head_norm = nullptr;
   };
   std::vector<NextnLayer> nextn_;
@@ -95,6 +115,7 @@ class Model {
   int64_t max_ctx_ = 0;
   std::unique_ptr<Scratch> scratch_;
   float *emb_ = nullptr, *xn_ = nullptr, *rope_cs_ = nullptr, *logits_local_ = nullptr;
+  float *nextn_in_ = nullptr, *nextn_x_ = nullptr, *nextn_h_ = nullptr;  // [T][S][2 E], [T][S][E], [T][S E]
   int32_t *tokens_ = nullptr, *seqs_ = nullptr, *emb_idx_ = nullptr;
   int64_t* ends_ = nullptr;
   std::vector<uint8_t> emb_rows_;  // TP: the batch's embedding rows, read with pread

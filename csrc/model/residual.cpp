@@ -31,6 +31,9 @@ class SingleStream final : public ResidualPolicy {
   }
 
   const float* end(StepContext&) override { return x_; }
+  int64_t state_width() const override { return cfg_.n_embd; }
+  const float* state() const override { return x_; }
+  void begin_state(StepContext& ctx, const float* state) override { begin(ctx, state); }
 
  private:
   static void reduce(StepContext& ctx, float* data, int64_t n) {

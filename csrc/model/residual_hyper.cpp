@@ -31,8 +31,11 @@ class HyperStreams final : public ResidualPolicy {
       m.scale = w.vector(p + "_scale.weight", scales);
       return m;
     };
-    for (int il = 0; il < cfg.n_layer; ++il) {
+    // The next-token-prediction layers have maps of their own (their streams collapse through
+    // the main head, as llama.cpp runs them).
+    for (int il = 0; il < cfg.n_layer + cfg.n_nextn; ++il) {
       const std::string p = "blk." + std::to_string(il) + ".hc_";
+      if (il >= cfg.n_layer && !w.has(p + "attn_fn.weight")) break;
       attn_.push_back(load(p + "attn", mix, 3));
       ffn_.push_back(load(p + "ffn", mix, 3));
     }
@@ -64,6 +67,14 @@ class HyperStreams final : public ResidualPolicy {
   void begin(StepContext& ctx, const float* emb) override {
     const int64_t E = cfg_.n_embd;
     for (int i = 0; i < n_; ++i) ctx.be.copy_rows(streams_ + i * E, n_ * E, emb, E, ctx.T, E);
+  }
+
+  bool has_layer(int il) const override { return il >= 0 && size_t(il) < attn_.size(); }
+  int64_t state_width() const override { return int64_t(n_) * cfg_.n_embd; }
+  const float* state() const override { return streams_; }
+  void begin_state(StepContext& ctx, const float* state) override {
+    const int64_t NE = int64_t(n_) * cfg_.n_embd;
+    ctx.be.copy_rows(streams_, NE, state, NE, ctx.T, NE);
   }
 
   void layer(StepContext& ctx, AttentionBlock& attn, FfnBlock& ffn) override {

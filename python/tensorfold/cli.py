@@ -141,7 +141,8 @@ def _speculative_options() -> argparse.ArgumentParser:
                      help="prompt lookup: draft the tokens that followed the latest earlier occurrence of the "
                           "text's last few tokens (no extra weights; pays off when the output quotes the input)")
     src.add_argument("--draft-mtp", action="store_true",
-                     help="the model's own next-token-prediction layers (not implemented yet: refused)")
+                     help="the model's own next-token-prediction (MTP, nextn) layer: one draft a step, no extra "
+                          "weights (DeepSeek files that carry it; TP=1)")
     g.add_argument("--draft-max", type=_int_in(1, 32), default=8, metavar="N",
                    help="drafts per sequence and step at most (default 8); fewer are drafted where acceptance "
                         "is low or many sequences share a step, none where drafting does not pay")

@@ -262,6 +262,7 @@ class _Params:
     sliding_window: int = 0  # layers with a window attend to their last N positions (0: none)
     window_layers: list | None = None  # which layers have it (None: all)
     mla: _Mla | None = None  # deepseek2 only
+    keep_mtp: bool = True  # deepseek2: keep the multi-token-prediction layers (nextn)
 
     @property
     def is_moe(self) -> bool:
@@ -283,6 +284,7 @@ class _Mla:
     groups: tuple[int, int] | None  # (expert_group_count, expert_group_used_count) to write
     yarn_log_mul: float | None  # rope.scaling.yarn_log_multiplier as llama.cpp writes it (0.1 * mscale_all_dim)
     rope_interleave: bool       # False: HF rotates halves → reorder the rope rows
+    n_nextn: int = 0            # multi-token-prediction layers the checkpoint carries (kept, as blk.N+j)
 
 
 def _int(cfg: dict, key: str, *alts: str, default: int | None = None) -> int:
@@ -795,11 +797,13 @@ def _plan(p: _Params, src: _Source) -> list[_Out]:
     ignorable = re.compile(r"(rotary_emb\.inv_freq|\.e_score_correction_bias)$")
     left = sorted(n for n in src.names() if n not in used and not ignorable.search(n))
     if p.mla is not None:
-        # DeepSeek's multi-token-prediction layers follow the last layer: skipped, as llama.cpp does
+        # Layers past the multi-token-prediction ones (an MTP layer without its eh_proj): skipped
+        last = p.n_layer + p.mla.n_nextn
         mtp = {n for n in src.names()
-               if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= p.n_layer}
+               if (m := re.match(r"model\.layers\.(\d+)\.", n)) and int(m.group(1)) >= last}
         if mtp:
-            log.info("skipping %d multi-token-prediction tensors (layers >= %d)", len(mtp), p.n_layer)
+            log.info("skipping %d tensors of layers >= %d (no eh_proj: not a whole multi-token-prediction "
+                     "layer)", len(mtp), last)
         # here a correction bias is a tensor like any other: one this plan did not use is an error
         left = sorted(n for n in src.names()
                       if n not in used and n not in mtp and not n.endswith("rotary_emb.inv_freq"))
@@ -851,9 +855,25 @@ def _plan_deepseek2_layers(p: _Params, src: _Source, add, add_experts) -> None:
     def v_b(a: list[np.ndarray]) -> np.ndarray:  # [nh*(nope+v), kv] → [nh, v, kv]
         return np.ascontiguousarray(a[0].reshape(nh, nope + vd, kv)[:, nope:, :])
 
-    for i in range(p.n_layer):
+    # DeepSeek's multi-token-prediction (MTP) layers follow the last layer: kept as llama.cpp's
+    # nextn layers (blk.N+j: a decoder layer plus eh_proj, enorm, hnorm and the shared head's
+    # norm), the draft head of speculative decoding.
+    m.n_nextn = 0
+    while p.keep_mtp and f"model.layers.{p.n_layer + m.n_nextn}.eh_proj.weight" in src:
+        m.n_nextn += 1
+    V = p.n_vocab
+    for i in range(p.n_layer + m.n_nextn):
         hf, b = f"model.layers.{i}", f"blk.{i}"
         at = f"{hf}.self_attn"
+        if i >= p.n_layer:
+            add(f"{b}.nextn.eh_proj.weight", f"{hf}.eh_proj.weight", (E, 2 * E))
+            add(f"{b}.nextn.enorm.weight", f"{hf}.enorm.weight", (E,), True)
+            add(f"{b}.nextn.hnorm.weight", f"{hf}.hnorm.weight", (E,), True)
+            add(f"{b}.nextn.shared_head_norm.weight", f"{hf}.shared_head.norm.weight", (E,), True)
+            if f"{hf}.embed_tokens.weight" in src:
+                add(f"{b}.nextn.embed_tokens.weight", f"{hf}.embed_tokens.weight", (V, E))
+            if f"{hf}.shared_head.head.weight" in src:
+                add(f"{b}.nextn.shared_head_head.weight", f"{hf}.shared_head.head.weight", (V, E))
         add(f"{b}.attn_norm.weight", f"{hf}.input_layernorm.weight", (E,), True)
         if m.q_lora_rank:
             if f"{at}.q_proj.weight" in src:
@@ -1206,6 +1226,9 @@ def _model_kv_deepseek2(p: _Params, name: str, outtype: str) -> list[tuple[str, 
     assert m is not None
     a = "deepseek2"
     kv = _base_kv(p, a, name, outtype, n_head_kv=1, rope_dim=m.qk_rope)  # one KV head: the shared latent
+    if m.n_nextn:  # llama.cpp counts the next-token-prediction layers in block_count
+        kv = [(k, t, p.n_layer + m.n_nextn if k == f"{a}.block_count" else v) for k, t, v in kv]
+        kv.append((f"{a}.nextn_predict_layers", "u32", m.n_nextn))
     if p.rope_scaling:
         kv += [(f"{a}.rope.scaling.{k}", t, v) for k, t, v in p.rope_scaling]
     if m.yarn_log_mul is not None:
@@ -1330,7 +1353,7 @@ def _write_gguf(out_path: str, arch: str, kv: list[tuple[str, str, Any]], tensor
 
 
 def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool = True,
-            pre: str | None = None) -> str:
+            pre: str | None = None, mtp: bool = True) -> str:
     """Convert the Hugging Face checkpoint directory ``hf_dir`` into the GGUF ``out_path``.
 
     ``outtype`` is the type of the 2-D/3-D weights: ``f32``, ``f16`` (default), ``bf16`` or
@@ -1338,7 +1361,9 @@ def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool 
     and routers always stay F32. Returns ``out_path``. Raises :class:`ConvertError` with a
     clear message for inputs it cannot convert. ``pre`` names the tokenizer's pre-tokenizer
     (``tokenizer.ggml.pre``) instead of recognising it from tokenizer.json (see the module
-    docstring); it must be a name TensorFold's tokenizer knows.
+    docstring); it must be a name TensorFold's tokenizer knows. ``mtp`` False drops DeepSeek-V3's
+    multi-token-prediction layers (kept by default as llama.cpp's nextn layers: the draft head of
+    speculative decoding, ``--draft-mtp``).
     """
     try:
         import gguf  # noqa: F401 - only to fail early, with this message
@@ -1359,6 +1384,7 @@ def convert(hf_dir: str, out_path: str, outtype: str = "f16", *, progress: bool 
 
         return convert_deepseek4(hf_dir, out_path, outtype, cfg, progress=progress, pre=pre)
     p = _params(cfg)
+    p.keep_mtp = mtp
     tok_kv = _tokenizer_kv(hf_dir, p, cfg, pre)
     src = _Source(hf_dir)
     try:
@@ -1408,7 +1434,7 @@ def _cmd(a: argparse.Namespace) -> int:
         print_error(f"{out} exists (use --force to overwrite)")
         return 2
     try:
-        convert(a.hf_dir, out, a.outtype, progress=not a.quiet, pre=a.pre)
+        convert(a.hf_dir, out, a.outtype, progress=not a.quiet, pre=a.pre, mtp=not a.no_mtp)
     except ConvertError as e:
         print_error(str(e))
         return 1
@@ -1438,6 +1464,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--pre", metavar="NAME", choices=_known_pre(), default=None,
                    help="for experts: the tokenizer's pre-tokenizer (tokenizer.ggml.pre), when tokenizer.json's "
                         "is not recognised; one of " + ", ".join(_known_pre()))
+    p.add_argument("--no-mtp", action="store_true",
+                   help="drop DeepSeek's multi-token-prediction layers (kept by default as llama.cpp's nextn "
+                        "layers, the draft head of `--draft-mtp`)")
     p.set_defaults(func=_cmd)
     return p
 
