@@ -403,6 +403,7 @@ def test_mtp_greedy_equals_plain(name, n, ds3_mtp, ds4_mtp):
     ref, _ = _run(plain, prompts, n)
     plain.close()
     spec = _engine(path, draft="mtp", draft_adaptive=False)
+    assert spec._core.memory_plan["draft"] > 0  # the MTP layer's cache and the hidden states it reads
     got, _ = _run(spec, prompts, n)
     alone, _ = _run(spec, prompts[:1], n)
     st = spec.stats()

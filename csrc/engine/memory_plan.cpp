@@ -143,6 +143,14 @@ MemoryPlan plan_memory(Model& model, const EngineGeometry& g, const EngineOption
   // A draft model lives on rank 0 beside the target (prompt lookup needs no memory).
   if (!opts.draft.empty() && opts.draft != "lookup" && opts.draft != "mtp" && opts.tp.rank == 0)
     p.draft = draft_model_bytes(opts.draft, draft_sizes(opts, g));
+  // MTP: its weights are the model's; its own cache and the hidden states it reads are not.
+  if (opts.draft == "mtp" && model.config().n_nextn > 0 && opts.tp.rank == 0) {
+    const DraftModelSizes z = draft_sizes(opts, g);
+    for (const KvGroupPlan& grp :
+         KvCache::plan(model.nextn_kv_specs(0), KvSizing{z.kv_tokens, z.max_seqs, z.max_batch_tokens}, opts.kv_type, false))
+      p.draft += grp.bytes;
+    p.draft += uint64_t(g.max_batch_tokens) * uint64_t(model.hidden_width()) * sizeof(float);
+  }
   if (opts.memory_budget > 0) {
     p.budget = uint64_t(opts.memory_budget);
     p.budget_source = "memory_budget";
@@ -236,7 +244,8 @@ std::string MemoryPlan::table() const {
   }
   row("scratch + logits", scratch, std::to_string(max_batch_tokens) + " tokens per step");
   row("comm buffers", comm, tp_size > 1 ? "All-Reduce and logits" : "none (TP=1)");
-  if (draft) row("draft model", draft, "weights, KV pool and scratch (speculative decoding)");
+  if (draft) row("draft", draft, "speculative decoding: a draft model's weights, KV pool and scratch, or the MTP "
+                                  "layer's KV pool and hidden states");
   row("safety margin", margin, "allocator, stacks, runtime");
   row("total", total(), "");
   if (budget > 0) {
