@@ -109,9 +109,10 @@ void bind_engine(py::module_& m) {
   m.def(
       "plan_memory",
       [](const std::string& path, int64_t context, int64_t kv_tokens, int max_batch_tokens, const std::string& kv_type,
-         int tp_size, int tp_rank, int64_t memory_budget, int max_seqs) {
+         int tp_size, int tp_rank, int64_t memory_budget, int max_seqs, const std::string& draft) {
         EngineOptions o;
         o.max_seqs = max_seqs;
+        o.draft = draft;
         o.context = context;
         o.kv_tokens = kv_tokens;
         o.max_batch_tokens = max_batch_tokens;
@@ -130,8 +131,9 @@ void bind_engine(py::module_& m) {
       },
       py::arg("path"), py::arg("context") = 0, py::arg("kv_tokens") = 0, py::arg("max_batch_tokens") = 512,
       py::arg("kv_type") = "f16", py::arg("tp") = 1, py::arg("rank") = 0, py::arg("memory_budget") = 0,
-      py::arg("max_seqs") = 32,
-      "The memory plan an engine with these options would have on this rank (nothing allocated).");
+      py::arg("max_seqs") = 32, py::arg("draft") = "",
+      "The memory plan an engine with these options would have on this rank (nothing allocated); draft: "
+      "'' none, 'lookup', 'mtp' or a draft model GGUF path.");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& path, int threads, int64_t kv_tokens, int64_t context,

@@ -244,8 +244,7 @@ std::string MemoryPlan::table() const {
   }
   row("scratch + logits", scratch, std::to_string(max_batch_tokens) + " tokens per step");
   row("comm buffers", comm, tp_size > 1 ? "All-Reduce and logits" : "none (TP=1)");
-  if (draft) row("draft", draft, "speculative decoding: a draft model's weights, KV pool and scratch, or the MTP "
-                                  "layer's KV pool and hidden states");
+  if (draft) row("speculative draft", draft, "draft model weights + KV + scratch, or MTP KV + hidden states");
   row("safety margin", margin, "allocator, stacks, runtime");
   row("total", total(), "");
   if (budget > 0) {

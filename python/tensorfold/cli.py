@@ -575,7 +575,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
     for r in ranks:
         p = _core.plan_memory(path, context=a.context or 0, kv_tokens=a.kv_tokens or 0,
                               max_batch_tokens=a.max_batch_tokens, kv_type=a.kv_type, tp=a.tp, rank=r,
-                              memory_budget=parse_memory_budget(a.memory_budget), max_seqs=a.max_seqs)
+                              memory_budget=parse_memory_budget(a.memory_budget), max_seqs=a.max_seqs,
+                              draft=(a.draft or "") if a.draft in (None, "mtp", "lookup") else resolve_model(a.draft))
         print(cli_names(p["table"], "plan"), end="")
         plans.append(p)
     fits = all(p["fits"] for p in plans)
@@ -871,6 +872,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV cache pool size in tokens (default: max(context, 4096))")
     pn.add_argument("--max-batch-tokens", type=_int_in(1), default=512, help="tokens per step (default 512)")
     pn.add_argument("--kv-type", default="f16", choices=("f16", "f32"), help="KV cache element type")
+    pn.add_argument("--draft", default=None, metavar="FILE|mtp",
+                    help="speculative decoding: a draft model's weights, KV cache and scratch (FILE), or the MTP "
+                         "layer's cache ('mtp'), as a line of the plan")
     pn.add_argument("--max-seqs", type=_int_in(1, 1 << 16), default=32,
                     help="sequences at once the sliding-window caches are sized for (default 32)")
     pn.add_argument("--memory-budget", type=_budget, default=None, metavar="SIZE",
