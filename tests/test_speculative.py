@@ -127,23 +127,27 @@ def test_smollm2_lookup_quoting(smollm2_path):
     assert st["spec_accepted"] >= 0.5 * st["spec_drafted"] > 0, st
 
 
-def test_tp2_lookup_equals_tp1(smollm2_path):
+@pytest.mark.parametrize("source", ["lookup", "draft"])
+def test_tp2_speculation_equals_tp1(smollm2_path, source):
     """TP=2 (rank 1 a `tensorfold worker` process following rank 0's verify plans, rollbacks
-    included) with prompt lookup: the tokens of TP=1 in compatible mode without speculation."""
+    included) with prompt lookup or a draft model (on rank 0: here the model itself, so most
+    drafts pass; lookup on random prompts rejects most): the tokens of TP=1 in compatible mode
+    without speculation."""
     from test_tp import Pair
 
     solo = _engine(smollm2_path, tp_compatible=True, threads=1)
     prompts = _prompts(solo.config["n_vocab"], 3, 3)
     ref, _ = _run(solo, prompts, 24)
     solo.close()
-    pair = Pair(smollm2_path, draft="lookup", draft_max=4, draft_adaptive=False)
+    draft = "lookup" if source == "lookup" else smollm2_path
+    pair = Pair(smollm2_path, draft=draft, draft_max=4, draft_adaptive=False)
     try:
         got, _ = _run(pair.engine, prompts, 24)
         st = pair.engine.stats()
     finally:
         pair.close()
     assert got == ref
-    assert st["spec_drafted"] > 0 and st["spec_accepted"] < st["spec_drafted"], st
+    assert st["spec_drafted"] > 0 and st["spec_accepted"] > 0, st
 
 
 def test_adaptive_stops_drafting_when_drafts_fail():
