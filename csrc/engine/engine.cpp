@@ -424,6 +424,12 @@ std::vector<StepOutput> Engine::step() {
   const auto t0 = std::chrono::steady_clock::now();
   run_forward(batch_, logits_.data(), mtp_ ? hidden_.data() : nullptr);
   check_weights_intact();
+  // A draft model reads what the target prefilled now, as part of the prefill (not of a later
+  // decode step, where it would stall the stream and count as the cost of a draft).
+  if (draft_model_)
+    for (size_t i = n_decode; i < batch_.size(); ++i)
+      if (batch_owner_[i]->source == draft_model_.get() && (i + 1 == batch_.size() || batch_owner_[i + 1] != batch_owner_[i]))
+        draft_model_->prefill(batch_owner_[i]->id, batch_owner_[i]->tokens, int64_t(batch_[i].pos) + 1);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ++stats_.steps;
   const size_t n_prefill = batch_.size() - n_decode;
@@ -498,20 +504,23 @@ void Engine::add_drafts(int& budget, int& logit_rows) {
   // against the measured cost of a verified token and of a drafted one.
   std::vector<size_t> who;
   std::vector<double> rate;
-  std::vector<bool> probe;
+  std::vector<int> idle;
   for (size_t i = 0; i < batch_.size(); ++i) {
     Sequence& s = *batch_owner_[i];
     s.drafts.clear();
     if (!s.source) continue;
     who.push_back(i);
     rate.push_back(s.draft_stats.rate);
-    probe.push_back(s.draft_stats.idle_steps >= DraftPolicy::kProbeEvery);
+    idle.push_back(s.draft_stats.idle_steps);
   }
   if (who.empty()) return;
   // The cost of a drafted token: the dearest source among the drafting sequences'.
-  double draft_cost = 0;
-  for (size_t i : who) draft_cost = std::max(draft_cost, batch_owner_[i]->source->cost_per_draft());
-  const std::vector<int> k = draft_policy_->lengths(rate, probe, int(batch_.size()), draft_cost);
+  double draft_cost = 0, catchup_cost = 0;
+  for (size_t i : who) {
+    draft_cost = std::max(draft_cost, batch_owner_[i]->source->cost_per_draft());
+    catchup_cost = std::max(catchup_cost, batch_owner_[i]->source->catchup_cost());
+  }
+  const std::vector<int> k = draft_policy_->lengths(rate, idle, int(batch_.size()), draft_cost, catchup_cost);
   // Proposals, per source.
   std::vector<DraftSource::Request> reqs;
   std::vector<size_t> req_at;

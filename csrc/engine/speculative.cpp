@@ -29,6 +29,7 @@ class PromptLookup final : public DraftSource {
 
   void propose(std::vector<Request>& reqs) override {
     const double t0 = now_s();
+    int64_t n_drafted = 0;
     for (Request& r : reqs) {
       r.drafts.clear();
       const std::vector<int32_t>& t = *r.tokens;
@@ -44,9 +45,9 @@ class PromptLookup final : public DraftSource {
           break;
         }
       }
-      drafted_ += int64_t(r.drafts.size());
+      n_drafted += int64_t(r.drafts.size());
     }
-    seconds_ += now_s() - t0;
+    account(now_s() - t0, n_drafted);
   }
 
  private:
@@ -91,6 +92,7 @@ class DraftModel final : public DraftSource {
 
   void propose(std::vector<Request>& reqs) override {
     const double t0 = now_s();
+    int64_t n_drafted = 0;
     const int64_t V = model_->config().n_vocab;
     struct Live {
       Request* r;
@@ -139,12 +141,33 @@ class DraftModel final : public DraftSource {
         l.st->n_computed = l.next_pos;
         kv_->advance(l.st->slot, nullptr, l.st->n_computed);
       }
-      drafted_ += int64_t(live.size());
+      n_drafted += int64_t(live.size());
       live.erase(std::remove_if(live.begin(), live.end(),
                                 [](const Live& l) { return int(l.r->drafts.size()) >= l.r->k; }),
                  live.end());
     }
-    seconds_ += now_s() - t0;
+    account(now_s() - t0, n_drafted);
+  }
+
+  void prefill(int64_t id, const std::vector<int32_t>& tokens, int64_t n) override {
+    State* st = state(id);
+    if (!st || st->n_computed >= n) return;
+    const double t0 = now_s();
+    const int64_t from = st->n_computed;
+    if (!kv_->reserve(st->slot, n)) {
+      release(id);
+      return;
+    }
+    std::vector<BatchToken> batch;
+    for (int64_t p = st->n_computed; p < n; p += sizes_.max_batch_tokens) {
+      batch.clear();
+      for (int64_t q = p; q < std::min<int64_t>(n, p + sizes_.max_batch_tokens); ++q)
+        batch.push_back({tokens[size_t(q)], int32_t(q), int32_t(st->slot), false});
+      model_->forward(batch, *kv_, nullptr);
+    }
+    st->n_computed = n;
+    kv_->advance(st->slot, nullptr, n);
+    account_catchup(now_s() - t0, n - from);
   }
 
   void sync(int64_t id, int64_t n_valid) override {
@@ -248,12 +271,13 @@ class Mtp final : public MtpSource {
       st.hidden.clear();
     }
     flush();
+    int64_t n_drafted = 0;
     for (Request& r : reqs) {
-      drafted_ += int64_t(r.drafts.size());
+      n_drafted += int64_t(r.drafts.size());
       auto it = seqs_.find(r.id);
       if (it != seqs_.end() && it->second.slot >= 0) kv_->advance(it->second.slot, nullptr, it->second.done);
     }
-    seconds_ += now_s() - t0;
+    account(now_s() - t0, n_drafted);
   }
 
   void release(int64_t id) override { drop(id); }
@@ -347,13 +371,18 @@ double DraftPolicy::fixed_cost() const {
   return std::max(0.0, sy_ / w_ - token_cost() * st_ / w_);
 }
 
-std::vector<int> DraftPolicy::lengths(const std::vector<double>& rate, const std::vector<bool>& probe, int batch,
-                                      double draft_cost) const {
+std::vector<int> DraftPolicy::lengths(const std::vector<double>& rate, const std::vector<int>& idle, int batch,
+                                      double draft_cost, double catchup_cost) const {
   std::vector<int> k(rate.size(), adaptive_ ? 0 : draft_max_);
   if (!adaptive_) return k;
   const double b = token_cost(), c = fixed_cost();
+  // A probe costs a verified token and a draft; a step without drafts c + b * batch.
+  const double step = c + b * batch;
+  const double probe_every =
+      step > 0 ? std::max<double>(kProbeEvery, (b + draft_cost) / (kProbeShare * step)) : double(kProbeEvery);
+  const bool probes = !(step > 0) || catchup_cost < kProbeShare * step;
   for (size_t i = 0; i < rate.size(); ++i)
-    if (probe[i]) k[i] = 1;
+    if (probes && idle[i] >= probe_every) k[i] = 1;
   if (b <= 0) {  // no step measured yet: draft at the prior rate
     for (size_t i = 0; i < rate.size(); ++i) k[i] = std::max(k[i], std::min(draft_max_, 4));
     return k;

@@ -45,6 +45,9 @@ class DraftSource {
   virtual std::string name() const = 0;
   // Fills each request's drafts.
   virtual void propose(std::vector<Request>& reqs) = 0;
+  // Request `id`'s tokens [0, n) were just prefilled by the target: a source with a cache of its
+  // own reads them now (counted as prefill, not as the cost of a draft).
+  virtual void prefill(int64_t id, const std::vector<int32_t>& tokens, int64_t n) { (void)id, (void)tokens, (void)n; }
   // Request `id` keeps its first n_valid tokens as proposed from (the rest were rejected).
   virtual void sync(int64_t id, int64_t n_valid) { (void)id, (void)n_valid; }
   // Request `id` is finished, aborted or preempted: its state goes.
@@ -52,10 +55,25 @@ class DraftSource {
   // Seconds spent drafting and tokens drafted so far (the policy's cost of a draft token).
   double seconds() const { return seconds_; }
   int64_t drafted() const { return drafted_; }
-  double cost_per_draft() const { return drafted_ > 0 ? seconds_ / double(drafted_) : 0.0; }
+  // Seconds per drafted token, recent proposals weighing most (0 until one drafted).
+  double cost_per_draft() const { return cost_; }
+  // Seconds per token the source spends reading a sequence's tokens it has not seen (a draft
+  // model's or MTP layer's cache falling behind while the sequence does not draft); 0: none.
+  double catchup_cost() const { return catchup_; }
 
  protected:
-  double seconds_ = 0;
+  // Book one proposal: `seconds` for `drafted` tokens.
+  void account(double seconds, int64_t drafted) {
+    seconds_ += seconds;
+    drafted_ += drafted;
+    if (drafted > 0) cost_ = cost_ > 0 ? 0.8 * cost_ + 0.2 * seconds / double(drafted) : seconds / double(drafted);
+  }
+  void account_catchup(double seconds, int64_t tokens) {
+    if (tokens <= 0) return;
+    const double per = seconds / double(tokens);
+    catchup_ = catchup_ > 0 ? 0.8 * catchup_ + 0.2 * per : per;
+  }
+  double seconds_ = 0, cost_ = 0, catchup_ = 0;
   int64_t drafted_ = 0;
 };
 
@@ -92,10 +110,15 @@ class DraftPolicy {
   static constexpr int kProbeEvery = 16;
   // adaptive false: always draft_max (where the source has that many).
   DraftPolicy(int draft_max, bool adaptive) : draft_max_(draft_max), adaptive_(adaptive) {}
-  // Draft lengths for sequences with acceptance rates `rate` (expected accepted fraction),
-  // `batch` decode tokens in the step without drafts, `draft_cost` seconds per drafted token.
-  std::vector<int> lengths(const std::vector<double>& rate, const std::vector<bool>& probe, int batch,
-                           double draft_cost) const;
+  // Draft lengths for sequences with acceptance rates `rate` (expected accepted fraction) that
+  // have not drafted for `idle` steps, `batch` decode tokens in the step without drafts,
+  // `draft_cost` seconds per drafted token. A sequence that does not draft is probed with one
+  // draft now and then, so that its rate stays current: at most every kProbeEvery steps, and
+  // rarely enough that probes cost at most kProbeShare of the time — never where the source's
+  // reading of the tokens it missed (catchup_cost per token) alone costs more than that.
+  std::vector<int> lengths(const std::vector<double>& rate, const std::vector<int>& idle, int batch,
+                           double draft_cost, double catchup_cost = 0) const;
+  static constexpr double kProbeShare = 0.02;
   // A decode step of `tokens` tokens took `seconds`.
   void observe_step(int tokens, double seconds);
   int draft_max() const { return draft_max_; }
