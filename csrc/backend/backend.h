@@ -176,6 +176,19 @@ class Backend {
   virtual void from_host(void* dst, const void* src, size_t n) = 0;
   // Copies n bytes within this backend's memory.
   virtual void copy(void* dst, const void* src, size_t n) = 0;
+  // Host memory that stays valid and unchanged while the backend lives (the mapped model file,
+  // the loader's arrays): a device backend uploads it once or registers it in place, and then
+  // reads weights and parameters there. The CPU uses host memory as it is.
+  virtual void adopt_host_range(const void* p, size_t bytes) {
+    (void)p;
+    (void)bytes;
+  }
+  // The engine's memory plan, before anything large is allocated: a backend with memory of its
+  // own (a GPU) refuses a plan that does not fit it, naming the lines (throws). budget: the
+  // engine's budget (0: none).
+  virtual void check_memory(uint64_t weights, uint64_t kv, uint64_t scratch, uint64_t budget) {
+    (void)weights, (void)kv, (void)scratch, (void)budget;
+  }
 
   // -- products ----------------------------------------------------------------------------
   // Every product of the group over T input rows (x: ldx floats apart), the input read once per

@@ -64,6 +64,13 @@ Model::Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp)
   reset_expert_usage();
 }
 
+void Model::hand_weights_to_backend() {
+  // The weights' host memory, handed to the backend once (a GPU uploads or registers it).
+  TF_CHECK(be_ != nullptr && !tp_.plan_only, "a plan-only model has no weights to hand over");
+  for (const GgufPart& part : file_->parts()) be_->adopt_host_range(part.base, size_t(part.size));
+  for (const auto& [p, n] : loader_.owned_ranges()) be_->adopt_host_range(p, n);
+}
+
 Model::~Model() = default;
 
 AttentionKind Model::nextn_attention(int il) const {
