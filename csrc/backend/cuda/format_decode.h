@@ -35,7 +35,7 @@ struct Tables {
 
 // Formats by GGUF type id (tf::GgmlType values).
 enum Fmt : uint32_t {
-  F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17,
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17,
   IQ3_XXS = 18, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, BF16 = 30, MXFP4 = 39,
 };
 
@@ -69,6 +69,7 @@ TF_HD float e8m0_half(uint32_t e) { return bits_f32(e < 2 ? uint32_t(0x00200000)
 // Bytes of one block and values per block.
 TF_HD int block_bytes(uint32_t f) {
   switch (f) {
+    case F32: return 4;
     case F16: case BF16: return 2;
     case Q8_0: return 34;
     case Q4_0: return 18;
@@ -93,12 +94,12 @@ TF_HD int block_bytes(uint32_t f) {
 }
 TF_HD int block_values(uint32_t f) {
   switch (f) {
-    case F16: case BF16: return 1;
+    case F32: case F16: case BF16: return 1;
     case Q8_0: case IQ4_NL: case MXFP4: case Q4_0: case Q4_1: case Q5_0: case Q5_1: return 32;
     default: return 256;
   }
 }
-TF_HD bool is_float_format(uint32_t f) { return f == F16 || f == BF16; }
+TF_HD bool is_float_format(uint32_t f) { return f == F32 || f == F16 || f == BF16; }
 // Whether a format's chunks have mins (m != 0): the products then need the activations' sums.
 TF_HD bool has_min(uint32_t f) { return f == Q2_K || f == Q4_K || f == Q5_K || f == Q4_1 || f == Q5_1; }
 
@@ -302,7 +303,8 @@ TF_HD void decode_chunk(const uint8_t* row, int64_t c, const Tables& tb, Chunk& 
 // Value i of a row of a float format.
 template <uint32_t F>
 TF_HD float float_value(const uint8_t* row, int64_t i) {
-  if constexpr (F == F16) return half_f32(u16(row + 2 * i));
+  if constexpr (F == F32) return bits_f32(u32(row + 4 * i));
+  else if constexpr (F == F16) return half_f32(u16(row + 2 * i));
   else return bf16_f32(u16(row + 2 * i));
 }
 
@@ -331,4 +333,4 @@ TF_HD int8_t q8_level(float x, float d) {
 #define TF_CUDA_INT8_FORMATS(X) \
   X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(IQ2_XXS) X(IQ2_XS) X(IQ2_S) X(IQ3_XXS) X(IQ3_S) X(IQ4_XS) \
   X(IQ4_NL) X(MXFP4)
-#define TF_CUDA_FLOAT_FORMATS(X) X(F16) X(BF16)
+#define TF_CUDA_FLOAT_FORMATS(X) X(F32) X(F16) X(BF16)

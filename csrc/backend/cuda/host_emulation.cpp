@@ -84,7 +84,8 @@ void matmul_float(const uint8_t* w, int64_t rows, int64_t k, const float* x, int
   for (int64_t t = 0; t < T; ++t)
     for (int64_t r = 0; r < rows; ++r) {
       float acc = 0.f;
-      for (int64_t i = 0; i < k; ++i) acc += float_value<F>(w + size_t(r) * size_t(k) * 2, i) * x[t * k + i];
+      for (int64_t i = 0; i < k; ++i)
+        acc += float_value<F>(w + size_t(r) * size_t(k) * size_t(block_bytes(F)), i) * x[t * k + i];
       y[t * rows + r] = acc;
     }
 }

@@ -47,7 +47,7 @@ __global__ void embed_float_kernel(uint32_t type, const uint8_t* table, size_t r
   const uint8_t* row = table + size_t(ids[t]) * row_stride;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < k; i += int64_t(gridDim.x) * blockDim.x) {
     float v;
-    if (type == 0) v = reinterpret_cast<const float*>(row)[i];
+    if (type == F32) v = reinterpret_cast<const float*>(row)[i];
     else if (type == F16) v = half_f32(reinterpret_cast<const uint16_t*>(row)[i]);
     else v = bf16_f32(reinterpret_cast<const uint16_t*>(row)[i]);
     out[t * ldo + i] = v;
@@ -59,6 +59,7 @@ unsigned blocks_for(int64_t n, int per) { return unsigned(std::min<int64_t>((n +
 }  // namespace
 
 void matmul(const MmArgs& a, const Tables& tb, cudaStream_t s) {
+  if (a.type == F32) return launch_float<F32>(a, s);
   if (a.type == F16) return launch_float<F16>(a, s);
   if (a.type == BF16) return launch_float<BF16>(a, s);
   if (matmul_legacy(a, tb, s) || matmul_kquants(a, tb, s) || matmul_iq2(a, tb, s) || matmul_iq3_iq4(a, tb, s)) return;

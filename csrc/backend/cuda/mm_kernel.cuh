@@ -92,13 +92,17 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) mm_float_kernel(const MmAr
   int mat, n;
   int64_t row0;
   item_of(a, NT, mat, row0, n);
-  const uint16_t* wrow = reinterpret_cast<const uint16_t*>(a.w + size_t(mat) * a.mat_stride + size_t(r) * a.row_stride);
+  const uint8_t* wrow = a.w + size_t(mat) * a.mat_stride + size_t(r) * a.row_stride;
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = 0.f;
   for (int64_t i = lane; i < a.k; i += 32) {
-    const uint32_t h = __ldg(wrow + i);
-    const float w = F == F16 ? half_f32(h) : bf16_f32(h);
+    float w;
+    if constexpr (F == F32) w = __ldg(reinterpret_cast<const float*>(wrow) + i);
+    else {
+      const uint32_t h = __ldg(reinterpret_cast<const uint16_t*>(wrow) + i);
+      w = F == F16 ? half_f32(h) : bf16_f32(h);
+    }
 #pragma unroll
     for (int t = 0; t < NT; ++t)
       if (t < n) acc[t] += w * __ldg(a.xf + (row0 + t) * a.ldxf + i);
