@@ -183,6 +183,9 @@ class Backend {
     (void)p;
     (void)bytes;
   }
+  // The host is about to read or write memory of this backend directly (per-step metadata in the
+  // scratch, results an op left there): a device backend finishes its queued work first.
+  virtual void host_access() {}
   // The engine's memory plan, before anything large is allocated: a backend with memory of its
   // own (a GPU) refuses a plan that does not fit it, naming the lines (throws). budget: the
   // engine's budget (0: none).

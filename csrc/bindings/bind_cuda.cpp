@@ -48,6 +48,9 @@ void bind_cuda(py::module_& m) {
   c.def("compiled_archs", &cuda::compiled_archs, "GPU architectures the kernels were compiled for, e.g. '90,120,121'");
   c.def("build_note", &cuda::build_note, "why CUDA is not compiled in ('' when it is)");
   c.def("device_info", [](int dev) { return info_dict(cuda::device_info(dev)); }, py::arg("device") = 0);
+  c.def("measure_read_bandwidth", &cuda::measure_read_bandwidth, py::arg("bytes") = size_t(1) << 30,
+        py::arg("reps") = 5, py::call_guard<py::gil_scoped_release>(),
+        "device memory read bandwidth in bytes/s (best of reps passes over a buffer of `bytes`)");
   c.def("has_kernel", &cuda::has_kernel, py::arg("type_id"));
   c.def("kernel_types", &cuda::kernel_type_names);
   c.def("dequantize",

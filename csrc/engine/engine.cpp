@@ -144,7 +144,9 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
     fail(ErrorKind::OutOfMemory, "the memory plan of this engine exceeds its budget (", memory_plan_.budget_source,
          "); lower kv_tokens, context or max_batch_tokens, or raise memory_budget:\n", memory_plan_.table());
   // A backend with memory of its own (a GPU) checks its share before anything is allocated.
-  be_->check_memory(memory_plan_.weights, memory_plan_.kv, memory_plan_.scratch, memory_plan_.budget);
+  // (TP=1: the whole mapped file is handed over, so its size is what a discrete GPU holds.)
+  be_->check_memory(tp_.size == 1 ? std::max<uint64_t>(memory_plan_.weights, file_->file_size()) : memory_plan_.weights,
+                    memory_plan_.kv, memory_plan_.scratch, memory_plan_.budget);
   if (tp_.size == 2) {
     TF_CHECK(!tp_.addr.empty(), "TP=2 needs the peer address (HOST:PORT)");
     comm::GroupOptions g;

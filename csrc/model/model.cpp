@@ -67,7 +67,9 @@ Model::Model(std::shared_ptr<GgufFile> file, Backend* be, const TpShard& tp)
 void Model::hand_weights_to_backend() {
   // The weights' host memory, handed to the backend once (a GPU uploads or registers it).
   TF_CHECK(be_ != nullptr && !tp_.plan_only, "a plan-only model has no weights to hand over");
-  for (const GgufPart& part : file_->parts()) be_->adopt_host_range(part.base, size_t(part.size));
+  // TP=1 computes from the mapping; at TP=2 every weight a rank keeps is its own copy.
+  if (tp_.size == 1)
+    for (const GgufPart& part : file_->parts()) be_->adopt_host_range(part.base, size_t(part.size));
   for (const auto& [p, n] : loader_.owned_ranges()) be_->adopt_host_range(p, n);
 }
 
@@ -128,6 +130,7 @@ void Model::forward(const std::vector<BatchToken>& batch, KvCache& kv, float* lo
   Backend& be = *be_;
   const int64_t E = cfg_.n_embd;
   const int rd = cfg_.rope_dim;
+  be.host_access();  // the previous step's kernels may still read what is rewritten below
   // Embedding rows and the rotary angles of each token (shared by all layers).
   for (int64_t t = 0; t < T; ++t) {
     const BatchToken& bt = batch[size_t(t)];
@@ -184,6 +187,7 @@ void Model::head(StepContext& ctx, const float* h, float* logits) {
   const int64_t V1 = V - (tp_.rank == 0 ? vocab_end_ : vocab_begin_);  // rank 1's slice width
   const Product p{&output_, tp_.rank == 0 ? logits : logits_local_, tp_.rank == 0 ? V : V1};
   be.matmul(xn_, n_out, E, &p, 1);
+  be.host_access();  // the broadcast reads the logits from the host
   tp_.group->broadcast(logits_local_, size_t(n_out * V1) * sizeof(float), tp_.group_rank(1));
   if (tp_.rank == 0)
     for (int64_t t = 0; t < n_out; ++t)

@@ -77,8 +77,37 @@ class DeviceBuffer {
   size_t n_ = 0;
 };
 
-void free_managed(void* p, size_t) { cudaFree(p); }
-void free_pinned(void* p, size_t) { cudaFreeHost(p); }
+// The memory this backend handed out (managed or pinned), so an op tells device-usable pointers
+// from host ones without asking the driver each time; entries leave when freed.
+std::mutex g_ranges_mu;
+std::map<const uint8_t*, size_t> g_ranges;
+
+void add_range(const void* p, size_t n) {
+  std::lock_guard<std::mutex> lock(g_ranges_mu);
+  g_ranges[static_cast<const uint8_t*>(p)] = std::max<size_t>(n, 1);
+}
+bool in_ranges(const void* p) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  std::lock_guard<std::mutex> lock(g_ranges_mu);
+  auto it = g_ranges.upper_bound(b);
+  if (it == g_ranges.begin()) return false;
+  --it;
+  return b < it->first + it->second;
+}
+void free_managed(void* p, size_t) {
+  {
+    std::lock_guard<std::mutex> lock(g_ranges_mu);
+    g_ranges.erase(static_cast<const uint8_t*>(p));
+  }
+  cudaFree(p);
+}
+void free_pinned(void* p, size_t) {
+  {
+    std::lock_guard<std::mutex> lock(g_ranges_mu);
+    g_ranges.erase(static_cast<const uint8_t*>(p));
+  }
+  cudaFreeHost(p);
+}
 
 size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
@@ -149,6 +178,7 @@ class CudaBackend final : public Backend {
         cudaGetLastError();
         return Buffer();
       }
+      add_range(p, bytes);
       return Buffer(p, bytes, BufferKind::Host, free_pinned);
     }
     if (cudaMallocManaged(&p, std::max<size_t>(bytes, 1), cudaMemAttachGlobal) != cudaSuccess) {
@@ -171,6 +201,7 @@ class CudaBackend final : public Backend {
 #endif
       cudaGetLastError();  // advice is best effort
     }
+    add_range(p, bytes);
     return Buffer(p, bytes, BufferKind::Unified, free_managed);
   }
 
@@ -206,6 +237,8 @@ class CudaBackend final : public Backend {
     check(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream_), "cudaMemcpyAsync");
   }
 
+  void host_access() override { sync(); }
+
   void adopt_host_range(const void* p, size_t bytes) override {
     if (!p || bytes == 0) return;
     std::lock_guard<std::mutex> lock(mu_);
@@ -214,10 +247,14 @@ class CudaBackend final : public Backend {
     Adopted a;
     a.host = h;
     a.bytes = bytes;
-    if (info_.integrated) {
-      // In place: the mapping registered read-only (pages stay the file's page cache).
-      const cudaError_t e = cudaHostRegister(const_cast<uint8_t*>(h), bytes,
-                                             cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+    if (info_.integrated && bytes >= kRegisterMin) {
+      // In place: the mapping registered read-only (pages stay the file's page cache). Small
+      // arrays are copied instead (their pages may be shared with other allocations).
+      cudaError_t e = cudaHostRegister(const_cast<uint8_t*>(h), bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        e = cudaHostRegister(const_cast<uint8_t*>(h), bytes, cudaHostRegisterMapped);
+      }
       if (e == cudaSuccess) {
         void* dp = nullptr;
         check(cudaHostGetDevicePointer(&dp, const_cast<uint8_t*>(h), 0), "cudaHostGetDevicePointer");
@@ -225,6 +262,13 @@ class CudaBackend final : public Backend {
         a.registered = true;
       } else {
         cudaGetLastError();
+        // Not registrable: a device that reads pageable memory (ATS / HMM) uses it as it is; a copy
+        // would count the weights twice in the one pool, so anything else is refused.
+        if (!info_.pageable_access)
+          fail(ErrorKind::Unsupported, "CUDA backend: cannot register the mapped weights with the integrated GPU (",
+               cudaGetErrorString(e), ") and it cannot read pageable memory; copying them would double their "
+               "share of the shared memory");
+        a.dev = h;
       }
     }
     if (!a.dev) {
@@ -609,6 +653,7 @@ class CudaBackend final : public Backend {
 
  private:
   static constexpr size_t kParamBytes = size_t(4) << 20;
+  static constexpr size_t kRegisterMin = size_t(64) << 20;
   static constexpr size_t kStageReserve = size_t(64) << 20;
 
   // One op's host-memory arguments: inputs staged in before the kernels, outputs copied back
@@ -691,6 +736,7 @@ class CudaBackend final : public Backend {
 
   // Whether the device may read p as it is: device, managed or registered memory.
   bool device_ok(const void* p) const {
+    if (in_ranges(p)) return true;
     cudaPointerAttributes at{};
     if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
       cudaGetLastError();

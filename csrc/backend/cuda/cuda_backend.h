@@ -25,6 +25,8 @@ std::string compiled_archs();
 // Why CUDA is not compiled in ("" when it is): no nvcc, disabled, or the CUDA build failed.
 std::string build_note();
 DeviceInfo device_info(int device);
+// Device memory read bandwidth (bytes/s) measured on device 0: best of `reps` passes over `bytes`.
+double measure_read_bandwidth(size_t bytes, int reps);
 
 // The backend (make_backend("cuda")): throws when built without CUDA or no device is visible.
 std::unique_ptr<Backend> make_cuda_backend(const std::string& variant);

@@ -19,6 +19,7 @@ int device_count() { return 0; }
 std::string device_name(int) { return ""; }
 std::string compiled_archs() { return ""; }
 DeviceInfo device_info(int) { absent(); }
+double measure_read_bandwidth(size_t, int) { absent(); }
 std::unique_ptr<Backend> make_cuda_backend(const std::string&) { absent(); }
 void dequantize(uint32_t, const void*, size_t, float*, int64_t) { absent(); }
 void gemv(uint32_t, const void*, size_t, int64_t, int64_t, const float*, float*) { absent(); }

@@ -9,7 +9,11 @@ namespace tf::cuda::k {
 
 namespace {
 
-unsigned grid1(int64_t n, int per) { return unsigned(std::max<int64_t>(1, std::min<int64_t>((n + per - 1) / per, 1 << 20))); }
+unsigned grid1(int64_t n, int per) {
+  const int64_t b = (n + per - 1) / per;
+  if (b > 0x7FFFFFFF) fail(ErrorKind::InvalidInput, "CUDA backend: ", n, " elements in one launch");
+  return unsigned(std::max<int64_t>(1, b));
+}
 
 __global__ void rmsnorm_kernel(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t n,
                                float eps) {
@@ -216,3 +220,50 @@ void store_rows(const float* src, int64_t lds, int64_t n, void* const* dst, int6
 }
 
 }  // namespace tf::cuda::k
+
+namespace tf::cuda {
+
+namespace {
+__global__ void read_kernel(const uint4* p, size_t n, unsigned* sink) {
+  uint32_t acc = 0;
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;  // keeps the loads; practically never taken
+}
+}  // namespace
+
+// Device memory read bandwidth (bytes/s): best of `reps` passes over a buffer of `bytes`.
+double measure_read_bandwidth(size_t bytes, int reps) {
+  bytes &= ~size_t(15);
+  void* p = nullptr;
+  unsigned* sink = nullptr;
+  check(cudaMalloc(&p, bytes), "cudaMalloc");
+  check(cudaMalloc(&sink, sizeof(unsigned)), "cudaMalloc");
+  check(cudaMemset(p, 1, bytes), "cudaMemset");
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  double best = 0;
+  for (int r = 0; r < reps + 1; ++r) {
+    cudaEventRecord(a);
+    read_kernel<<<unsigned(std::max(sms, 1) * 8), 512>>>(static_cast<const uint4*>(p), bytes / 16, sink);
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    if (r > 0 && ms > 0) best = std::max(best, double(bytes) / (double(ms) * 1e-3));
+  }
+  const cudaError_t e = cudaGetLastError();
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaFree(sink);
+  cudaFree(p);
+  check(e, "read bandwidth kernel");
+  return best;
+}
+
+}  // namespace tf::cuda
