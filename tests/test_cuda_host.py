@@ -146,3 +146,60 @@ def test_auto_picks_cpu_without_a_device():
     assert "cuda" not in _core.available_backends()
     with pytest.raises(Exception, match="cuda"):
         _core.Backend("cuda")
+
+
+# -- grouped products: the packing plan (grouping.cpp) the CUDA kernels index by ------------------
+def _stack_reference(t, raw, n, rows, k, x, offsets, gather, first, last):
+    W = dequantize(raw, t).astype(np.float64).reshape(n, rows, k)
+    y = np.full((offsets[-1], rows), np.nan)
+    for e in range(first, last):
+        for i in range(offsets[e], offsets[e + 1]):
+            src = gather[i] if gather is not None else i
+            y[i] = W[e] @ x[src].astype(np.float64)
+    return W, y
+
+
+@pytest.mark.parametrize("t", [Q.Q4_K, Q.Q8_0, Q.IQ2_XXS, Q.MXFP4, Q.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("first,last", [(0, 5), (1, 4)])
+def test_grouped_lists_through_the_packing_plan(t, gathered, first, last):
+    """Routed experts: matrix e takes its list rows (some none, some more than a tile of 8),
+    gathered from token rows; an expert-parallel share [first, last) of the stack."""
+    rng = np.random.default_rng(int(t) + 7 * gathered + first)
+    n, rows = 5, 9
+    bs, _ = block_geometry(t)
+    k = 2 * max(bs, 32) if bs >= 32 else 64
+    raw = make_weights(t, rows * n, k, rng)
+    counts = np.array([3, 0, 11, 6, 2])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    x = rng.standard_normal((7 if gathered else offsets[-1], k)).astype(np.float32)
+    gather = rng.integers(0, 7, size=offsets[-1]).astype(np.int32) if gathered else None
+    y = cuda.emulate_matmul_stack(int(t), raw.reshape(-1), n, rows, k, x, offsets, gather, first, last)
+    W, ref = _stack_reference(t, raw, n, rows, k, x, offsets, gather, first, last)
+    done = ~np.isnan(ref)
+    assert (np.isnan(y) == ~done).all(), "rows outside [first, last) written, or rows inside missed"
+    for e in range(first, last):
+        for i in range(offsets[e], offsets[e + 1]):
+            xi = x[gather[i] if gathered else i][None]
+            bound = act_quant_bound(t, W[e], xi)[0] * 1.0001 + 2e-6 * (np.abs(xi[0]) @ np.abs(W[e]).T) + 1e-6
+            assert (np.abs(y[i] - ref[i]) <= bound).all(), f"{t.name}: list row {i}"
+
+
+@pytest.mark.parametrize("t", [Q.Q6_K, Q.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("R", [1, 3, 17])
+def test_grouped_batches_through_the_packing_plan(t, R):
+    """Per-head products: row j of matrix e at x[j, e*k:(e+1)*k], output [e, j]."""
+    rng = np.random.default_rng(R)
+    n, rows = 3, 5
+    bs, _ = block_geometry(t)
+    k = max(bs, 32) if bs >= 32 else 64
+    raw = make_weights(t, rows * n, k, rng)
+    W = dequantize(raw, t).astype(np.float64).reshape(n, rows, k)
+    x = rng.standard_normal((R, n * k)).astype(np.float32)
+    y = cuda.emulate_matmul_batches(int(t), raw.reshape(-1), n, rows, k, x)
+    assert y.shape == (n, R, rows)
+    for e in range(n):
+        xe = x[:, e * k:(e + 1) * k]
+        ref = xe.astype(np.float64) @ W[e].T
+        bound = act_quant_bound(t, W[e], xe) * 1.0001 + 2e-6 * (np.abs(xe) @ np.abs(W[e]).T) + 1e-6
+        assert (np.abs(y[e] - ref) <= bound).all(), f"{t.name}: matrix {e}"

@@ -7,6 +7,9 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/device_plan.h"
 #include "backend/cuda/host_emulation.h"
+#include <algorithm>
+#include <cmath>
+
 #include "bindings/bindings.h"
 #include "core/error.h"
 #include "quant/traits.h"
@@ -88,6 +91,58 @@ void bind_cuda(py::module_& m) {
         },
         py::arg("type_id"), py::arg("w"), py::arg("rows"), py::arg("k"), py::arg("x"),
         "y[t, r] = W[r] . x[t] with the CUDA kernels' arithmetic (int8 activations, dp4a sums), on the host");
+  c.def("emulate_matmul_stack",
+        [](uint32_t type_id, carray<uint8_t> w, int64_t n, int64_t rows, int64_t k, carray<float> x,
+           carray<int32_t> offsets, py::object gather_obj, int64_t first, int64_t last) {
+          // lists: the same arguments as Backend.matmul_stack, matrices [first, last) of n
+          if (x.ndim() != 2 || x.shape(1) != k) throw py::value_error("x must be [rows, k]");
+          const size_t rb = row_bytes(GgmlType(type_id), k);
+          TF_CHECK(size_t(w.size()) >= rb * size_t(rows * n) && offsets.size() == n + 1, "w or offsets too small");
+          if (last < 0) last = n;
+          TF_CHECK(0 <= first && first <= last && last <= n, "first/last out of range");
+          Grouping g;
+          g.offsets = offsets.data();
+          g.first = first;
+          g.last = last;
+          carray<int32_t> gather;
+          if (!gather_obj.is_none()) {
+            gather = gather_obj.cast<carray<int32_t>>();
+            g.gather = gather.data();
+            for (int64_t i = offsets.data()[first]; i < offsets.data()[last]; ++i)
+              TF_CHECK(g.gather[i] >= 0 && g.gather[i] < x.shape(0), "gather out of range");
+          } else {
+            TF_CHECK(offsets.data()[last] <= x.shape(0), "offsets reach past x");
+          }
+          const int64_t list = offsets.data()[n];
+          py::array_t<float> y({list, rows});
+          std::fill(y.mutable_data(), y.mutable_data() + y.size(), std::nanf(""));
+          cuda::emulate_matmul_stack(type_id, w.data() + rb * size_t(rows) * size_t(first), rb * size_t(rows), rb, rows, k,
+                                     x.data(), k, g, y.mutable_data(), rows);
+          return y;
+        },
+        py::arg("type_id"), py::arg("w"), py::arg("n"), py::arg("rows"), py::arg("k"), py::arg("x"),
+        py::arg("offsets"), py::arg("gather") = py::none(), py::arg("first") = 0, py::arg("last") = -1,
+        "grouped product (lists) through the CUDA packing plan and arithmetic, on the host (rows not computed: nan)");
+  c.def("emulate_matmul_batches",
+        [](uint32_t type_id, carray<uint8_t> w, int64_t n, int64_t rows, int64_t k, carray<float> x) {
+          // batches: x [R, n * k] interleaved (row j of matrix e at x[j, e*k:(e+1)*k]); y [n, R, rows]
+          if (x.ndim() != 2 || x.shape(1) != n * k) throw py::value_error("x must be [R, n * k]");
+          const size_t rb = row_bytes(GgmlType(type_id), k);
+          TF_CHECK(size_t(w.size()) >= rb * size_t(rows * n), "w too small");
+          const int64_t R = x.shape(0);
+          Grouping g;
+          g.rows = R;
+          g.x_mat = k;
+          g.y_mat = R * rows;
+          g.first = 0;
+          g.last = n;
+          py::array_t<float> y({n, R, rows});
+          cuda::emulate_matmul_stack(type_id, w.data(), rb * size_t(rows), rb, rows, k, x.data(), n * k, g,
+                                     y.mutable_data(), rows);
+          return y;
+        },
+        py::arg("type_id"), py::arg("w"), py::arg("n"), py::arg("rows"), py::arg("k"), py::arg("x"),
+        "per-matrix products of interleaved rows through the CUDA packing plan, on the host");
   c.def("plan_device",
         [](const py::dict& info, const py::dict& need) {
           cuda::DeviceInfo d;

@@ -29,6 +29,7 @@
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/device_plan.h"
+#include "backend/cuda/grouping.h"
 #include "backend/cuda/host_emulation.h"
 #include "core/error.h"
 #include "kv/kv_cache.h"
@@ -348,43 +349,15 @@ class CudaBackend final : public Backend {
       any_q8 |= !f;
       any_float |= f;
     }
-    // Packed activation rows: their source offsets (from x), and per packed row the list / batch
-    // row it is (for the outputs); tiles of at most kTile rows of one matrix.
-    src_off_.clear();
-    out_row_.clear();
-    items_.clear();
-    int64_t max_src = 0;
+    // Packed activation rows, their outputs and the kernels' tiles (grouping.h).
     const int64_t M = g.last - g.first;
-    if (g.offsets) {
-      const int64_t base = g.offsets[g.first], rows = g.offsets[g.last] - base;
-      if (rows == 0) return;
-      for (int64_t i = base; i < base + rows; ++i) {
-        const int64_t src = g.gather ? g.gather[i] : i;
-        src_off_.push_back(src * ldx);
-        out_row_.push_back(i);
-        max_src = std::max(max_src, src + 1);
-      }
-      for (int64_t e = g.first; e < g.last; ++e)
-        for (int64_t r0 = g.offsets[e]; r0 < g.offsets[e + 1]; r0 += k::kTile)
-          items_.push_back({int32_t(e - g.first), int32_t(r0 - base),
-                            int32_t(std::min<int64_t>(k::kTile, g.offsets[e + 1] - r0))});
-    } else {
-      TF_CHECK(ldx == M * g.x_mat, "matmul_stack: batched inputs must interleave (ldx = matrices x x_mat)");
-      if (g.rows == 0) return;
-      for (int64_t e = 0; e < M; ++e) {
-        for (int64_t j = 0; j < g.rows; ++j) {
-          src_off_.push_back(e * g.x_mat + j * ldx);
-          out_row_.push_back(e * (int64_t(1) << 32) + j);  // matrix and row, decoded below
-        }
-        for (int64_t j0 = 0; j0 < g.rows; j0 += k::kTile)
-          items_.push_back({int32_t(e), int32_t(e * g.rows + j0), int32_t(std::min<int64_t>(k::kTile, g.rows - j0))});
-      }
-      max_src = g.rows;  // rows of ldx floats
-    }
-    const int64_t N = int64_t(src_off_.size());
+    plan_ = plan_groups(g, ldx, k::kTile);
+    if (plan_.size() == 0) return;
+    const int64_t max_src = plan_.src_rows;
+    const int64_t N = plan_.size();
     const float* xd = op.in(x, max_src, ldx, g.offsets ? k : ldx);
-    const int64_t* d_src = op.param(src_off_.data(), src_off_.size());
-    const k::MmItem* d_items = op.param(items_.data(), items_.size());
+    const int64_t* d_src = op.param(plan_.src_off.data(), plan_.src_off.size());
+    const k::MmItem* d_items = op.param(plan_.items.data(), plan_.items.size());
     int8_t* q = nullptr;
     float* qd = nullptr;
     if (any_q8) {
@@ -402,13 +375,9 @@ class CudaBackend final : public Backend {
       const WeightStack& s = *ps[i].w;
       const Weight& w = s.first;
       if (w.rows == 0) continue;
-      y_off_.resize(size_t(N));
+      output_offsets(plan_, ps[i].ldy, y_off_);
       int64_t max_out = 0;
-      for (int64_t r = 0; r < N; ++r) {
-        const int64_t o = out_row_[size_t(r)];
-        y_off_[size_t(r)] = g.offsets ? o * ps[i].ldy : (o >> 32) * g.y_mat + (o & 0xFFFFFFFF) * ps[i].ldy;
-        max_out = std::max(max_out, y_off_[size_t(r)] + w.rows);
-      }
+      for (const int64_t o : y_off_) max_out = std::max(max_out, o + w.rows);
       k::MmArgs a;
       a.type = uint32_t(w.type);
       a.w = weight_ptr(w.data, s.stride * size_t(M - 1) + w.row_stride * size_t(w.rows - 1) + row_bytes(w.type, w.k));
@@ -424,7 +393,7 @@ class CudaBackend final : public Backend {
       a.y = op.out_flat(ps[i].y, size_t(max_out));
       a.y_off = op.param(y_off_.data(), y_off_.size());
       a.items = d_items;
-      a.n_items = int64_t(items_.size());
+      a.n_items = int64_t(plan_.items.size());
       a.tile = k::kTile;
       k::matmul(a, tables_, stream_);
     }
@@ -848,8 +817,8 @@ class CudaBackend final : public Backend {
   std::mutex mu_;
   std::map<const uint8_t*, Adopted> adopted_;
   uint64_t uploaded_ = 0;
-  std::vector<int64_t> src_off_, out_row_, y_off_, begin_, end_;
-  std::vector<k::MmItem> items_;
+  GroupPlan plan_;
+  std::vector<int64_t> y_off_, begin_, end_;
   std::vector<int32_t> tab_seq_, tab_of_, tables_host_, fill_;
   std::vector<float> route_scratch_, host_rows_;
 

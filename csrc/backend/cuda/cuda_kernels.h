@@ -6,14 +6,13 @@
 #include <cstdint>
 
 #include "backend/cuda/format_decode.h"
+#include "backend/cuda/grouping.h"
 
 namespace tf::cuda::k {
 
 // One tile of a (possibly grouped) product: packed activation rows row0 .. row0 + n - 1 against
-// matrix `mat` of a stack (0 for a plain weight); n <= kTile.
-struct MmItem {
-  int32_t mat, row0, n;
-};
+// matrix `mat` of a stack (0 for a plain weight); n <= kTile (grouping.h).
+using MmItem = tf::cuda::MmItem;
 constexpr int kTile = 8;       // activation rows per tile (prefill); decode uses 1
 constexpr int kRowsPerBlock = 4;  // weight rows per thread block (one per warp)
 

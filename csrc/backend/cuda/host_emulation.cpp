@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "backend/cuda/format_decode.h"
+#include "backend/cuda/grouping.h"
 #include "core/error.h"
 #include "quant/tables/iq_tables.h"
 #include "quant/traits.h"
@@ -140,6 +141,24 @@ void emulate_matmul(uint32_t type_id, const uint8_t* w, int64_t rows, int64_t k,
     TF_CUDA_FLOAT_FORMATS(TF_X)
 #undef TF_X
   }
+}
+
+float emulate_dot(uint32_t type_id, const uint8_t* wrow, int64_t k, const float* x) {
+  float y = 0.f;
+  emulate_matmul(type_id, wrow, 1, k, x, 1, &y);
+  return y;
+}
+
+void emulate_matmul_stack(uint32_t type_id, const uint8_t* w, size_t mat_stride, size_t row_stride, int64_t rows,
+                          int64_t k, const float* x, int64_t ldx, const Grouping& g, float* y, int64_t ldy) {
+  const GroupPlan p = plan_groups(g, ldx, 8);
+  std::vector<int64_t> yoff;
+  output_offsets(p, ldy, yoff);
+  for (const MmItem& it : p.items)
+    for (int32_t r = it.row0; r < it.row0 + it.n; ++r)
+      for (int64_t wr = 0; wr < rows; ++wr)
+        y[yoff[size_t(r)] + wr] =
+            emulate_dot(type_id, w + size_t(it.mat) * mat_stride + size_t(wr) * row_stride, k, x + p.src_off[size_t(r)]);
 }
 
 }  // namespace tf::cuda
