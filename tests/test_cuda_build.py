@@ -31,3 +31,22 @@ def test_stub_or_backend_is_consistent():
             _core.Backend("cuda")
     else:
         assert cuda.forward_supported()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None or shutil.which("cmake") is None, reason="needs nvcc and cmake")
+def test_a_cuda_build_failure_leaves_the_cpu_build(tmp_path):
+    """Configuring with an architecture nvcc refuses: the CUDA kernels fail to build, and the
+    configuration goes on with the CPU-only stub, saying why (then the CPU build proceeds)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pybind = subprocess.run([sys.executable, "-m", "pybind11", "--cmakedir"], capture_output=True, text=True)
+    if pybind.returncode != 0:
+        pytest.skip("pybind11's CMake files are not installed")
+    out = subprocess.run(["cmake", "-S", root, "-B", str(tmp_path / "b"), "-DCMAKE_BUILD_TYPE=Release",
+                          f"-Dpybind11_DIR={pybind.stdout.strip()}"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, TENSORFOLD_CUDA_ARCHS="11"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CUDA backend OFF (stub: the CUDA kernels failed to compile" in out.stdout, out.stdout[-2000:]

@@ -12,6 +12,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -176,6 +177,8 @@ class Backend {
   virtual void from_host(void* dst, const void* src, size_t n) = 0;
   // Copies n bytes within this backend's memory.
   virtual void copy(void* dst, const void* src, size_t n) = 0;
+  // Sets n bytes of this backend's memory to zero (where a device backend has it touched first).
+  virtual void zero(void* dst, size_t n) { std::memset(dst, 0, n); }
   // Host memory that stays valid and unchanged while the backend lives (the mapped model file,
   // the loader's arrays): a device backend uploads it once or registers it in place, and then
   // reads weights and parameters there. The CPU uses host memory as it is.

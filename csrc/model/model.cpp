@@ -94,12 +94,12 @@ void Model::plan(Scratch& s, int64_t T) {
   const int64_t E = cfg_.n_embd;
   emb_ = s.f32("model.emb", T * E);
   xn_ = s.f32("xn", T * E);
-  rope_cs_ = s.f32("model.rope", T * cfg_.rope_dim);
+  rope_cs_ = s.f32("model.rope", T * cfg_.rope_dim, true);
   tokens_ = s.i32("model.tokens", T);
   seqs_ = s.i32("model.seqs", T);
   ends_ = s.i64("model.ends", T);
   emb_idx_ = tp_.size > 1 ? s.i32("model.emb_idx", T) : nullptr;
-  if (tp_.size > 1) logits_local_ = s.f32("model.logits_local", kMaxLogitRows * (cfg_.n_vocab - vocab_begin_));
+  if (tp_.size > 1) logits_local_ = s.f32("model.logits_local", kMaxLogitRows * (cfg_.n_vocab - vocab_begin_), true);
   s.product(output_, std::min<int64_t>(T, kMaxLogitRows));
   residual_->plan_scratch(s, T);
   for (Layer& L : layers_) {

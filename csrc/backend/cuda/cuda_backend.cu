@@ -187,18 +187,21 @@ class CudaBackend final : public Backend {
       return Buffer();
     }
     if (!info_.integrated) {
+      // Discrete GPU: activations and the KV pool (Device) live in device memory, the host
+      // reaching them by migration only when it must; buffers the host touches every step
+      // (Unified: metadata, router logits) stay in host memory, read by the device over the bus.
+      const bool on_device = kind == BufferKind::Device;
 #if CUDART_VERSION >= 13000
-      cudaMemLocation loc{};
-      loc.type = cudaMemLocationTypeDevice;
-      loc.id = dev_;
-      cudaMemAdvise(p, bytes, cudaMemAdviseSetPreferredLocation, loc);
-      cudaMemLocation host{};
+      cudaMemLocation dev{}, host{};
+      dev.type = cudaMemLocationTypeDevice;
+      dev.id = dev_;
       host.type = cudaMemLocationTypeHost;
       host.id = 0;
-      cudaMemAdvise(p, bytes, cudaMemAdviseSetAccessedBy, host);
+      cudaMemAdvise(p, bytes, cudaMemAdviseSetPreferredLocation, on_device ? dev : host);
+      cudaMemAdvise(p, bytes, cudaMemAdviseSetAccessedBy, on_device ? host : dev);
 #else
-      cudaMemAdvise(p, bytes, cudaMemAdviseSetPreferredLocation, dev_);
-      cudaMemAdvise(p, bytes, cudaMemAdviseSetAccessedBy, cudaCpuDeviceId);
+      cudaMemAdvise(p, bytes, cudaMemAdviseSetPreferredLocation, on_device ? dev_ : cudaCpuDeviceId);
+      cudaMemAdvise(p, bytes, cudaMemAdviseSetAccessedBy, on_device ? cudaCpuDeviceId : dev_);
 #endif
       cudaGetLastError();  // advice is best effort
     }
@@ -239,6 +242,13 @@ class CudaBackend final : public Backend {
   }
 
   void host_access() override { sync(); }
+
+  void zero(void* dst, size_t n) override {
+    if (n == 0) return;
+    if (!device_ok(dst)) return (void)std::memset(dst, 0, n);
+    check(cudaMemsetAsync(dst, 0, n, stream_), "cudaMemsetAsync");
+    sync();
+  }
 
   void adopt_host_range(const void* p, size_t bytes) override {
     if (!p || bytes == 0) return;
