@@ -473,8 +473,12 @@ class CudaBackend final : public Backend {
     const uint32_t type = uint32_t(table.type);
     const size_t tb = row_bytes(table.type, table.k);
     if (has_kernel(type) || type == 0) {
+      // The rows read: up to the largest id (a TP rank's table holds only the batch's rows).
+      // Token ids are host-visible memory (scratch metadata, or the caller's array).
+      int32_t max_id = 0;
+      for (int64_t t = 0; t < T; ++t) max_id = std::max(max_id, tokens[t]);
       Op op(*this);
-      const uint8_t* dt = weight_ptr(table.data, table.row_stride * size_t(table.rows - 1) + tb);
+      const uint8_t* dt = weight_ptr(table.data, table.row_stride * size_t(max_id) + tb);
       const int32_t* ids = op.in_raw(tokens, size_t(T));
       k::embed(type, dt, table.row_stride, table.k, ids, T, op.out(out, T, ldo, table.k), ldo, tables_, stream_);
       return;
