@@ -38,7 +38,8 @@ __global__ void embed_int8_kernel(const uint8_t* table, size_t row_stride, int64
   decode_chunk<F>(table + size_t(ids[t]) * row_stride, c, tb, ch);
   float* o = out + t * ldo + c * 32;
 #pragma unroll
-  for (int l = 0; l < 32; ++l) o[l] = ch.s[l >> 4] * float(ch.q[l]) - ch.m[l >> 4];
+  for (int l = 0; l < 32; ++l)  // product and difference rounded apart (no FMA): bit-exact with the reference
+    o[l] = __fsub_rn(__fmul_rn(ch.s[l >> 4], float(ch.q[l])), ch.m[l >> 4]);
 }
 
 __global__ void embed_float_kernel(uint32_t type, const uint8_t* table, size_t row_stride, int64_t k,
