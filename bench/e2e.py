@@ -29,12 +29,12 @@ import sys
 import time
 
 
-def measure_tensorfold(model: str, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict:
+def measure_tensorfold(model: str, threads: int, n_prompt: int, n_gen: int, reps: int, backend: str = "cpu") -> dict:
     import random
 
     import tensorfold
 
-    eng = tensorfold.Engine(model, threads=threads, context=max(1024, n_prompt + 16))
+    eng = tensorfold.Engine(model, threads=threads, context=max(1024, n_prompt + 16), backend=backend)
     vocab = eng.config["n_vocab"]
     rng = random.Random(0)
     core = eng._core

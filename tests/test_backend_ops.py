@@ -29,7 +29,11 @@ from test_kernels import ALL_TYPES, FLOAT_TYPES, act_quant_bound, block_geometry
 BACKENDS = _core.available_backends()
 
 
-@pytest.fixture(params=BACKENDS, scope="module")
+# A GPU backend's cases carry the `gpu` marker (`pytest -m gpu` selects them on a GPU machine).
+BACKEND_PARAMS = [pytest.param(b, marks=pytest.mark.gpu) if b.startswith("cuda") else b for b in BACKENDS]
+
+
+@pytest.fixture(params=BACKEND_PARAMS, scope="module")
 def be(request):
     return _core.Backend(request.param, threads=2)
 
@@ -54,6 +58,8 @@ def _check_product(t, W, x, y):
 @pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,kb,ncols", [(1, 1, 1), (17, 3, 4), (33, 2, 33)])
 def test_matmul(be, t, rows, kb, ncols):
+    if not be.supports(int(t)):
+        pytest.skip(f"{be.name} has no product kernel for {t.name} (refused at load)")
     rng = np.random.default_rng(hash((int(t), rows, kb, ncols)) % 2**32)
     bs, _ = block_geometry(t)
     k = kb * bs

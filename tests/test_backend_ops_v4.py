@@ -25,9 +25,31 @@ BACKENDS = _core.available_backends()
 F32_EPS = 2.0 ** -24
 
 
-@pytest.fixture(params=BACKENDS, scope="module")
+# A GPU backend's cases carry the `gpu` marker (`pytest -m gpu` selects them on a GPU machine).
+BACKEND_PARAMS = [pytest.param(b, marks=pytest.mark.gpu) if b.startswith("cuda") else b for b in BACKENDS]
+
+
+@pytest.fixture(params=BACKEND_PARAMS, scope="module")
 def be(request):
     return _core.Backend(request.param, threads=2)
+
+
+# The DeepSeek-V4 operations the CUDA backend has no kernel for yet (it refuses them by name).
+CUDA_MISSING = {
+    "test_attention_extra": "no CUDA kernel yet for attention over a second (compressed) cache layer",
+    "test_attention_model_sized_decode": "no CUDA kernel yet for attention over a second (compressed) cache layer",
+    "test_gated_pool": "no CUDA kernel yet for gated_pool",
+    "test_index_topk": "no CUDA kernel yet for index_topk",
+    "test_hyper_maps": "no CUDA kernel yet for hyper_maps",
+}
+
+
+@pytest.fixture(autouse=True)
+def _skip_ops_cuda_lacks(request):
+    if "be" in request.fixturenames and str(request.node.callspec.params.get("be", "")).startswith("cuda"):
+        for prefix, why in CUDA_MISSING.items():
+            if request.node.name.startswith(prefix):
+                pytest.skip(why)
 
 
 def _as_stored(a, kv_type):

@@ -28,11 +28,11 @@ std::unique_ptr<Backend> make_backend(const BackendOptions& opts) {
   }
   if (name == "cuda") {
     if (!cuda::built_with_cuda())
-      fail(ErrorKind::Unsupported, "backend 'cuda': TensorFold was built without CUDA (nvcc was not found when it was "
-           "built); use backend='cpu'");
+      fail(ErrorKind::Unsupported, "backend 'cuda': TensorFold was built without CUDA (", cuda::build_note(),
+           "); use backend='cpu'");
     if (cuda::device_count() == 0)
       fail(ErrorKind::Unsupported, "backend 'cuda': no CUDA device is visible; use backend='cpu'");
-    fail(ErrorKind::Unsupported, "backend 'cuda': the CUDA backend cannot run a forward pass yet; use backend='cpu'");
+    return cuda::make_cuda_backend(variant);
   }
   fail(ErrorKind::InvalidInput, "unknown backend '", opts.name, "' (available: cpu, cuda, auto)");
 }

@@ -12,6 +12,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -176,6 +177,24 @@ class Backend {
   virtual void from_host(void* dst, const void* src, size_t n) = 0;
   // Copies n bytes within this backend's memory.
   virtual void copy(void* dst, const void* src, size_t n) = 0;
+  // Sets n bytes of this backend's memory to zero (where a device backend has it touched first).
+  virtual void zero(void* dst, size_t n) { std::memset(dst, 0, n); }
+  // Host memory that stays valid and unchanged while the backend lives (the mapped model file,
+  // the loader's arrays): a device backend uploads it once or registers it in place, and then
+  // reads weights and parameters there. The CPU uses host memory as it is.
+  virtual void adopt_host_range(const void* p, size_t bytes) {
+    (void)p;
+    (void)bytes;
+  }
+  // The host is about to read or write memory of this backend directly (per-step metadata in the
+  // scratch, results an op left there): a device backend finishes its queued work first.
+  virtual void host_access() {}
+  // The engine's memory plan, before anything large is allocated: a backend with memory of its
+  // own (a GPU) refuses a plan that does not fit it, naming the lines (throws). budget: the
+  // engine's budget (0: none).
+  virtual void check_memory(uint64_t weights, uint64_t kv, uint64_t scratch, uint64_t budget) {
+    (void)weights, (void)kv, (void)scratch, (void)budget;
+  }
 
   // -- products ----------------------------------------------------------------------------
   // Every product of the group over T input rows (x: ldx floats apart), the input read once per

@@ -146,6 +146,10 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   if (!memory_plan_.fits())
     fail(ErrorKind::OutOfMemory, "the memory plan of this engine exceeds its budget (", memory_plan_.budget_source,
          "); lower kv_tokens, context or max_batch_tokens, or raise memory_budget:\n", memory_plan_.table());
+  // A backend with memory of its own (a GPU) checks its share before anything is allocated.
+  // (TP=1: the whole mapped file is handed over, so its size is what a discrete GPU holds.)
+  be_->check_memory(tp_.size == 1 ? std::max<uint64_t>(memory_plan_.weights, file_->file_size()) : memory_plan_.weights,
+                    memory_plan_.kv, memory_plan_.scratch, memory_plan_.budget);
   if (tp_.size == 2) {
     TF_CHECK(!tp_.addr.empty(), "TP=2 needs the peer address (HOST:PORT)");
     comm::GroupOptions g;
@@ -179,6 +183,7 @@ Engine::Engine(const std::string& model_path, const EngineOptions& opts) {
   }
   if (tp_.size == 2) load_with_heartbeat(shard);  // reads this rank's slices
   else file_->prefault();  // the mapped weights resident now, as planned, not page by page while serving
+  model_->hand_weights_to_backend();  // after the plan was checked: a GPU uploads them now
   kv_ = std::make_unique<KvCache>(model_->kv_specs(), kv_sizing(opts, n_blocks), opts.kv_type, *be_);
   kv_->prefault();
   // Rank 0 decides which blocks hold what; a follower mirrors its tables and caches nothing.

@@ -82,6 +82,7 @@ class DraftModel final : public DraftSource {
     TF_CHECK(c.n_vocab >= target_vocab, "draft model ", path, ": output of ", c.n_vocab,
              " logits is smaller than the vocabulary");
     file_->prefault();
+    model_->hand_weights_to_backend();  // a GPU backend uploads or registers them
     kv_ = std::make_unique<KvCache>(model_->kv_specs(), KvSizing{z.kv_tokens, z.max_seqs, z.max_batch_tokens},
                                     z.kv_type, be_);
     kv_->prefault();

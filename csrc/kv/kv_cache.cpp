@@ -92,7 +92,7 @@ uint64_t KvCache::bytes() const {
 }
 
 void KvCache::prefault() {
-  for (Group& g : groups_) g.pool->prefault();
+  for (Group& g : groups_) g.pool->prefault(be_);
 }
 
 int64_t KvCache::free_tokens() const {

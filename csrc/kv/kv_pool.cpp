@@ -45,7 +45,10 @@ KvPool::KvPool(const KvSpec& spec, int n_layers, int block_size, int64_t n_block
   refs_.assign(size_t(n_blocks), 0);
 }
 
-void KvPool::prefault() { std::memset(storage_.data(), 0, storage_.size()); }
+void KvPool::prefault(Backend* be) {
+  if (be) be->zero(storage_.data(), storage_.size());
+  else std::memset(storage_.data(), 0, storage_.size());
+}
 
 void KvPool::enable_prefix_cache(uint64_t seed) {
   if (!prefix_) prefix_ = std::make_unique<PrefixCache>(int(tokens_per_block()), n_blocks_, seed);

@@ -39,7 +39,9 @@ class KvPool {
   int64_t empty_blocks() const { return int64_t(free_list_.size()); }
   int64_t cached_blocks() const { return prefix_ ? prefix_->n_parked() : 0; }
   size_t bytes() const { return storage_.size(); }
-  void prefault();  // touches every page now (resident from the start, as planned)
+  // Touches every page now (resident from the start, as planned): zeroed through the backend
+  // that owns the storage (a GPU's memory set on the device), or on the host without one.
+  void prefault(Backend* be = nullptr);
 
   // Prefix cache of this group (off until enabled; a TP follower mirrors tables instead).
   void enable_prefix_cache(uint64_t seed);

@@ -186,7 +186,7 @@ void SharedKvAttention::plan_scratch(Scratch& s, int64_t T) {
   kv_ = s.f32("attn.k", T * D);
   attn_ = s.f32("attn.out", T * H * D);
   og_ = s.f32("attn.o_groups", T * G * OL);
-  cs_ = s.f32("attn.rope", T * rd);
+  cs_ = s.f32("attn.rope", T * rd, true);
   rows_ = s.ptrs("attn.rows", T * 2 * std::max<int64_t>(1, ratio_));
   part_ = o_split_ > 0 ? s.f32("part", T * E) : nullptr;
   for (const Weight* w : {&wq_a_, &wq_b_, &wkv_, &wo_b_}) s.product(*w, T);
@@ -195,7 +195,7 @@ void SharedKvAttention::plan_scratch(Scratch& s, int64_t T) {
     const int64_t n_ent = T;  // entries a batch can complete: one per token at most (one per sequence)
     state_ = s.f32("attn.state", T * state_dim_);
     pooled_ = s.f32("attn.pooled", n_ent * D);
-    ent_cs_ = s.f32("attn.entry_rope", n_ent * rd);
+    ent_cs_ = s.f32("attn.entry_rope", n_ent * rd, true);
     ent_seq_ = s.i32("attn.entry_seq", n_ent);
     count_ = s.i64("attn.entries", T);
     for (const Weight* w : {&comp_.wkv, &comp_.wgate}) s.product(*w, T);

@@ -148,9 +148,9 @@ void MoeFfn::plan_scratch(Scratch& s, int64_t T) {
   const int64_t E = cfg_.n_embd, NE = cfg_.n_expert, K = cfg_.n_expert_used, FE = width_, R = T * K;
   const bool two = split_ > 0 || (expert_parallel_ && cfg_.n_expert >= 2);
   xn_ = s.f32("xn", T * E);
-  logits_ = s.f32("moe.logits", T * NE);
+  logits_ = s.f32("moe.logits", T * NE, true);  // routing reads them on the host
   r_.ids = s.i32("moe.ids", R);
-  r_.weights = s.f32("moe.weights", R);
+  r_.weights = s.f32("moe.weights", R, true);
   r_.offsets = s.i32("moe.offsets", NE + 1);
   r_.rows = s.i32("moe.rows", R);
   r_.slot_of = s.i32("moe.slot_of", R);

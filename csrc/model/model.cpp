@@ -87,6 +87,15 @@ std::string Model::nextn_unsupported(int j) const {
   return "";
 }
 
+void Model::hand_weights_to_backend() {
+  // The weights' host memory, handed to the backend once (a GPU uploads or registers it).
+  TF_CHECK(be_ != nullptr && !tp_.plan_only, "a plan-only model has no weights to hand over");
+  // TP=1 computes from the mapping; at TP=2 every weight a rank keeps is its own copy.
+  if (tp_.size == 1)
+    for (const GgufPart& part : file_->parts()) be_->adopt_host_range(part.base, size_t(part.size));
+  for (const auto& [p, n] : loader_.owned_ranges()) be_->adopt_host_range(p, n);
+}
+
 Model::~Model() = default;
 
 AttentionKind Model::nextn_attention(int il) const {
@@ -108,12 +117,12 @@ void Model::plan(Scratch& s, int64_t T) {
   const int64_t E = cfg_.n_embd;
   emb_ = s.f32("model.emb", T * E);
   xn_ = s.f32("xn", T * E);
-  rope_cs_ = s.f32("model.rope", T * cfg_.rope_dim);
+  rope_cs_ = s.f32("model.rope", T * cfg_.rope_dim, true);
   tokens_ = s.i32("model.tokens", T);
   seqs_ = s.i32("model.seqs", T);
   ends_ = s.i64("model.ends", T);
   emb_idx_ = tp_.size > 1 ? s.i32("model.emb_idx", T) : nullptr;
-  if (tp_.size > 1) logits_local_ = s.f32("model.logits_local", kMaxLogitRows * (cfg_.n_vocab - vocab_begin_));
+  if (tp_.size > 1) logits_local_ = s.f32("model.logits_local", kMaxLogitRows * (cfg_.n_vocab - vocab_begin_), true);
   s.product(output_, std::min<int64_t>(T, kMaxLogitRows));
   residual_->plan_scratch(s, T);
   for (Layer& L : layers_) {
@@ -154,6 +163,7 @@ void Model::load_batch(const std::vector<BatchToken>& batch) {
   const int64_t T = int64_t(batch.size());
   TF_CHECK(T > 0 && T <= max_tokens_, "batch of ", T, " tokens exceeds the reserved ", max_tokens_);
   const int rd = cfg_.rope_dim;
+  be_->host_access();  // the previous step's kernels may still read what is rewritten below
   // Token ids and the rotary angles of each token (shared by all layers).
   for (int64_t t = 0; t < T; ++t) {
     const BatchToken& bt = batch[size_t(t)];
@@ -250,6 +260,7 @@ void Model::head(StepContext& ctx, const float* h, float* logits, const float* n
   const int64_t V1 = V - (tp_.rank == 0 ? vocab_end_ : vocab_begin_);  // rank 1's slice width
   const Product p{&output_, tp_.rank == 0 ? logits : logits_local_, tp_.rank == 0 ? V : V1};
   be.matmul(xn_, n_out, E, &p, 1);
+  be.host_access();  // the broadcast reads the logits from the host
   tp_.group->broadcast(logits_local_, size_t(n_out * V1) * sizeof(float), tp_.group_rank(1));
   if (tp_.rank == 0)
     for (int64_t t = 0; t < n_out; ++t)

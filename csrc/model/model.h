@@ -45,6 +45,9 @@ class Model {
   // planned from the blocks' needs (one source); count_only: only the bytes. Returns the bytes
   // (in double: a hostile geometry gives a huge number, not a wrapped one).
   double reserve(int max_tokens, int64_t max_ctx, bool count_only = false);
+  // Hands the weights' host memory (mapped file, loader arrays) to the backend (Backend::adopt_host_range),
+  // once the memory plan was checked.
+  void hand_weights_to_backend();
   int max_tokens() const { return max_tokens_; }
 
   // Runs the batch. For each token with want_logits, writes n_vocab floats to `logits`

@@ -7,12 +7,13 @@
 
 namespace tf {
 
-void* Scratch::take(const std::string& key, int64_t n, size_t elem) {
+void* Scratch::take(const std::string& key, int64_t n, size_t elem, bool host) {
   TF_CHECK(n >= 0, "scratch: negative size for ", key);
   Slot& s = slots_[key];
   const double want = double(n) * double(elem);
   if (!bound_) {
     s.bytes = std::max(s.bytes, want);
+    s.host = s.host || host;
     return nullptr;
   }
   TF_CHECK(want <= double(s.buf.size()), "scratch: ", key, " asked for more than was planned");
@@ -32,9 +33,10 @@ uint64_t Scratch::allocate(Backend& be, int64_t max_rows) {
   for (auto& [key, s] : slots_) {
     const size_t n = size_t(s.bytes);
     if (n == 0) continue;
-    s.buf = be.alloc(n, BufferKind::Device);
+    // Host-touched buffers as unified memory (host and device address it), activations as device memory.
+    s.buf = be.alloc(n, s.host ? BufferKind::Unified : BufferKind::Device);
     TF_CHECK(bool(s.buf), "cannot allocate ", n, " bytes of activation scratch (", key, ")");
-    if (s.buf.kind() != BufferKind::Device) std::memset(s.buf.data(), 0, n);  // resident from the start
+    be.zero(s.buf.data(), n);  // resident from the start (where the backend keeps it)
     total += n;
   }
   total += be.reserve_products(shapes_, max_rows, /*count_only=*/false);

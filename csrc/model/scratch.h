@@ -19,11 +19,16 @@ class Scratch {
   // A planning pass (no backend memory is touched).
   Scratch() = default;
 
-  // n floats (int32s) under `key`; nullptr while planning.
-  float* f32(const std::string& key, int64_t n) { return static_cast<float*>(take(key, n, 4)); }
-  int32_t* i32(const std::string& key, int64_t n) { return static_cast<int32_t*>(take(key, n, 4)); }
-  int64_t* i64(const std::string& key, int64_t n) { return static_cast<int64_t*>(take(key, n, 8)); }
-  void** ptrs(const std::string& key, int64_t n) { return static_cast<void**>(take(key, n, sizeof(void*))); }
+  // n floats (int32s) under `key`; nullptr while planning. `host`: the host reads or writes the
+  // buffer directly between ops (per-step metadata, rotary angles, router logits and routing
+  // results) - a device backend then keeps it where the host reaches it cheaply; the others are
+  // activations only ops touch. Integer buffers are host-touched metadata.
+  float* f32(const std::string& key, int64_t n, bool host = false) {
+    return static_cast<float*>(take(key, n, 4, host));
+  }
+  int32_t* i32(const std::string& key, int64_t n) { return static_cast<int32_t*>(take(key, n, 4, true)); }
+  int64_t* i64(const std::string& key, int64_t n) { return static_cast<int64_t*>(take(key, n, 8, true)); }
+  void** ptrs(const std::string& key, int64_t n) { return static_cast<void**>(take(key, n, sizeof(void*), true)); }
   // A product the backend runs with up to `rows` input rows (grouped: gathered rows).
   void product(const Weight& w, int64_t rows) {
     if (w.rows > 0) shapes_.push_back({w.type, w.k, rows, false});
@@ -41,10 +46,11 @@ class Scratch {
   uint64_t allocate(Backend& be, int64_t max_rows);
 
  private:
-  void* take(const std::string& key, int64_t n, size_t elem);
+  void* take(const std::string& key, int64_t n, size_t elem, bool host);
 
   struct Slot {
     double bytes = 0;
+    bool host = false;
     Buffer buf;
   };
   std::map<std::string, Slot> slots_;

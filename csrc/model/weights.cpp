@@ -173,7 +173,19 @@ float* WeightLoader::owned_floats(size_t n) {
   return owned_floats_.back().data();
 }
 
+std::vector<std::pair<const void*, size_t>> WeightLoader::owned_ranges() const {
+  std::vector<std::pair<const void*, size_t>> out;
+  for (const auto& v : owned_floats_)
+    if (!v.empty()) out.emplace_back(v.data(), v.size() * sizeof(float));
+  for (const auto& v : owned_ints_)
+    if (!v.empty()) out.emplace_back(v.data(), v.size() * sizeof(int32_t));
+  for (size_t i = 0; i < owned_.size(); ++i)
+    if (owned_sizes_[i] > 0) out.emplace_back(owned_[i].get(), owned_sizes_[i]);
+  return out;
+}
+
 uint8_t* WeightLoader::owned_bytes(size_t n) {
+  owned_sizes_.push_back(n);
   owned_.emplace_back(new uint8_t[std::max<size_t>(n, 1)]);
   return owned_.back().get();
 }

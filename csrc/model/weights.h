@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -53,6 +54,8 @@ class WeightLoader {
   // The reference dequantization of a tensor's type (throws naming the tensor when there is none).
   void (*dequantizer(const std::string& name) const)(const void*, float*, int64_t);
   float* owned_floats(size_t n);  // private float storage living as long as the loader
+  // The host memory the loader owns (converted vectors, TP slices), for the backend to adopt.
+  std::vector<std::pair<const void*, size_t>> owned_ranges() const;
 
   // TP slices (sizes only when plan_only); each counts toward bytes().
   Weight slice_rows(const Weight& w, int64_t r0, int64_t r1);
@@ -90,6 +93,7 @@ class WeightLoader {
   std::vector<std::vector<float>> owned_floats_;
   std::vector<std::vector<int32_t>> owned_ints_;
   std::vector<std::unique_ptr<uint8_t[]>> owned_;
+  std::vector<size_t> owned_sizes_;
 };
 
 }  // namespace tf
