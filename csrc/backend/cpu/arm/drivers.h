@@ -1,0 +1,278 @@
+// Generic aarch64 matmul drivers for formats that decode block by block into signed int8
+// values (the arm counterpart of decoded.h). A format supplies a block decoder; the integer
+// dot products, the 2x2 i8mm tiles and the activation repacking are shared here.
+//
+//   ArmBlock256 (256-value blocks, Q8_256 activations): w[i] = d*sc[i/16]*q[i] - dmin*mn[i/16]
+//   ArmBlock32  (32-value blocks, Q8_32 activations):   w[i] = d*q[i] + m
+//
+// Integer sums are exact (|q|, |x| <= 127 and |sc| <= 127 keep every sum inside int32), so a
+// result differs from the scalar reference only by float rounding order.
+#pragma once
+#include "backend/cpu/arm/neon_common.h"
+
+namespace tf::cpu::detail {
+namespace {
+
+struct alignas(64) ArmBlock256 {
+  Decoded256 v;      // q, sc, d
+  int16_t mn[16];    // min multipliers (K-quants with a min); unused otherwise
+  float dmin;
+};
+using ArmDecode256 = void (*)(const uint8_t* blk, ArmBlock256* u);
+
+struct alignas(32) ArmBlock32 {
+  int8_t q[32];
+  float d, m;
+};
+using ArmDecode32 = void (*)(const uint8_t* blk, ArmBlock32* u);
+
+// Adapters for the formats' reference decoders (formats/*.cpp decode_ref): no min.
+template <void (*Ref)(const uint8_t*, Decoded256*)>
+void decode_ref256(const uint8_t* blk, ArmBlock256* u) { Ref(blk, &u->v); }
+template <void (*Ref)(const uint8_t*, Decoded32*)>
+void decode_ref32(const uint8_t* blk, ArmBlock32* u) {
+  Decoded32 t;
+  Ref(blk, &t);
+  std::memcpy(u->q, t.q, 32);
+  u->d = t.d;
+  u->m = 0.f;
+}
+
+// Sum over sub-blocks j of sc[j] * (q . x over sub-block j), for one block and one column.
+inline int32_t isum256(const int8_t* q, const int16_t* sc, const int8_t* x) {
+  int32x4_t tot = vdupq_n_s32(0);
+  const int32x4_t z = vdupq_n_s32(0);
+  for (int g = 0; g < 4; ++g) {
+    const int8_t* qg = q + 64 * g;
+    const int8_t* xg = x + 64 * g;
+    const int32x4_t p0 = dot16(z, vld1q_s8(qg), vld1q_s8(xg));
+    const int32x4_t p1 = dot16(z, vld1q_s8(qg + 16), vld1q_s8(xg + 16));
+    const int32x4_t p2 = dot16(z, vld1q_s8(qg + 32), vld1q_s8(xg + 32));
+    const int32x4_t p3 = dot16(z, vld1q_s8(qg + 48), vld1q_s8(xg + 48));
+    tot = vmlaq_s32(tot, sum4(p0, p1, p2, p3), vmovl_s16(vld1_s16(sc + 4 * g)));
+  }
+  return vaddvq_s32(tot);
+}
+
+template <bool kMin>
+inline float dot256(const ArmBlock256& u, const ActK& a) {
+  float r = u.v.d * a.d * float(isum256(u.v.q, u.v.sc, a.qs));
+  if (kMin) r -= u.dmin * a.d * float(dot_i16x16(u.mn, a.bsums));
+  return r;
+}
+
+inline float dot32(const ArmBlock32& u, const int8_t* x, float dx, float sx) {
+  const int32x4_t p = dot16(dot16(vdupq_n_s32(0), vld1q_s8(u.q), vld1q_s8(x)), vld1q_s8(u.q + 16), vld1q_s8(x + 16));
+  return u.d * dx * float(vaddvq_s32(p)) + u.m * sx;
+}
+
+#if TF_ARM_LEVEL >= 2
+// 16 bytes of row/column 0 and 16 of row/column 1 as the two SMMLA operands covering them:
+// {0[0..7], 1[0..7]} and {0[8..15], 1[8..15]}.
+inline void zip_pair(int8x16_t a, int8x16_t b, int8x16_t* lo, int8x16_t* hi) {
+  const int64x2_t a64 = vreinterpretq_s64_s8(a), b64 = vreinterpretq_s64_s8(b);
+  *lo = vreinterpretq_s8_s64(vzip1q_s64(a64, b64));
+  *hi = vreinterpretq_s8_s64(vzip2q_s64(a64, b64));
+}
+
+// Two decoded rows as SMMLA operands, with per-sub-block scales laid out like the 2x2 result
+// lanes [r0c0, r0c1, r1c0, r1c1].
+struct Pair256 {
+  int8x16_t A[32];
+  int32x4_t S[16];
+  float32x4_t dd, dm;  // [d0, d0, d1, d1], [dmin0, dmin0, dmin1, dmin1]
+};
+
+inline void make_pair256(const ArmBlock256& u0, const ArmBlock256& u1, Pair256& p) {
+  for (int j = 0; j < 16; ++j) zip_pair(vld1q_s8(u0.v.q + 16 * j), vld1q_s8(u1.v.q + 16 * j), &p.A[2 * j], &p.A[2 * j + 1]);
+  for (int g = 0; g < 4; ++g) {
+    const int32x4_t s0 = vmovl_s16(vld1_s16(u0.v.sc + 4 * g)), s1 = vmovl_s16(vld1_s16(u1.v.sc + 4 * g));
+    const int64x2_t a01 = vreinterpretq_s64_s32(vzip1q_s32(s0, s0)), b01 = vreinterpretq_s64_s32(vzip1q_s32(s1, s1));
+    const int64x2_t a23 = vreinterpretq_s64_s32(vzip2q_s32(s0, s0)), b23 = vreinterpretq_s64_s32(vzip2q_s32(s1, s1));
+    p.S[4 * g + 0] = vreinterpretq_s32_s64(vzip1q_s64(a01, b01));
+    p.S[4 * g + 1] = vreinterpretq_s32_s64(vzip2q_s64(a01, b01));
+    p.S[4 * g + 2] = vreinterpretq_s32_s64(vzip1q_s64(a23, b23));
+    p.S[4 * g + 3] = vreinterpretq_s32_s64(vzip2q_s64(a23, b23));
+  }
+  p.dd = vcombine_f32(vdup_n_f32(u0.v.d), vdup_n_f32(u1.v.d));
+  p.dm = vcombine_f32(vdup_n_f32(u0.dmin), vdup_n_f32(u1.dmin));
+}
+
+// Sum over sub-blocks of S[j] * (2x2 tile of sub-block j): rows of p, columns zipped in X.
+inline int32x4_t tile256(const Pair256& p, const int8x16_t* X) {
+  const int32x4_t z = vdupq_n_s32(0);
+  int32x4_t tot = z;
+  for (int j = 0; j < 16; ++j) {
+    const int32x4_t t = vmmlaq_s32(vmmlaq_s32(z, p.A[2 * j], X[2 * j]), p.A[2 * j + 1], X[2 * j + 1]);
+    tot = vmlaq_s32(tot, t, p.S[j]);
+  }
+  return tot;
+}
+
+// Columns 2cp, 2cp+1 of every block zipped for SMMLA: X[(cp * nb + b) * 32 + ...].
+inline const int8x16_t* repack_act256(const void* xq, size_t xs, int64_t npair, int64_t nb) {
+  auto* X = reinterpret_cast<int8x16_t*>(scratch(size_t(npair * nb) * 512, 0));
+  for (int64_t cp = 0; cp < npair; ++cp) {
+    const ActK* a0 = act_k(xq, xs, 2 * cp);
+    const ActK* a1 = act_k(xq, xs, 2 * cp + 1);
+    for (int64_t b = 0; b < nb; ++b) {
+      int8x16_t* o = X + (cp * nb + b) * 32;
+      for (int j = 0; j < 16; ++j) zip_pair(vld1q_s8(a0[b].qs + 16 * j), vld1q_s8(a1[b].qs + 16 * j), &o[2 * j], &o[2 * j + 1]);
+    }
+  }
+  return X;
+}
+#endif
+
+template <ArmDecode256 Decode, size_t kBytes, bool kMin>
+void matmul_a256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                 int64_t ncols, float* y, int64_t ldy) {
+  const int64_t nb = k / 256;
+  const uint8_t* W = static_cast<const uint8_t*>(w);
+  int64_t r = r0;
+#if TF_ARM_LEVEL >= 2
+  if (ncols >= 2 && r1 - r0 >= 2) {
+    const int64_t npair = ncols / 2;
+    const int8x16_t* X = repack_act256(xq, xs, npair, nb);
+    auto* acc = reinterpret_cast<float32x4_t*>(scratch(size_t(npair) * 16, 1));
+    const ActK* last = (ncols & 1) ? act_k(xq, xs, ncols - 1) : nullptr;
+    for (; r + 2 <= r1; r += 2) {
+      for (int64_t cp = 0; cp < npair; ++cp) acc[cp] = vdupq_n_f32(0.f);
+      float odd0 = 0.f, odd1 = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        ArmBlock256 u0, u1;
+        Decode(W + size_t(r) * ws + size_t(b) * kBytes, &u0);
+        Decode(W + size_t(r + 1) * ws + size_t(b) * kBytes, &u1);
+        Pair256 p;
+        make_pair256(u0, u1, p);
+        for (int64_t cp = 0; cp < npair; ++cp) {
+          const ActK& a0 = act_k(xq, xs, 2 * cp)[b];
+          const ActK& a1 = act_k(xq, xs, 2 * cp + 1)[b];
+          const float32x2_t xd2 = {a0.d, a1.d};
+          const float32x4_t xd = vcombine_f32(xd2, xd2);
+          const int32x4_t tot = tile256(p, X + (cp * nb + b) * 32);
+          float32x4_t v = vmulq_f32(vcvtq_f32_s32(tot), vmulq_f32(p.dd, xd));
+          if (kMin) {
+            const int32x4_t ms = {dot_i16x16(u0.mn, a0.bsums), dot_i16x16(u0.mn, a1.bsums),
+                                  dot_i16x16(u1.mn, a0.bsums), dot_i16x16(u1.mn, a1.bsums)};
+            v = vsubq_f32(v, vmulq_f32(vcvtq_f32_s32(ms), vmulq_f32(p.dm, xd)));
+          }
+          acc[cp] = vaddq_f32(acc[cp], v);
+        }
+        if (last) {
+          odd0 += dot256<kMin>(u0, last[b]);
+          odd1 += dot256<kMin>(u1, last[b]);
+        }
+      }
+      for (int64_t cp = 0; cp < npair; ++cp) {
+        y[(2 * cp) * ldy + r] = vgetq_lane_f32(acc[cp], 0);
+        y[(2 * cp + 1) * ldy + r] = vgetq_lane_f32(acc[cp], 1);
+        y[(2 * cp) * ldy + r + 1] = vgetq_lane_f32(acc[cp], 2);
+        y[(2 * cp + 1) * ldy + r + 1] = vgetq_lane_f32(acc[cp], 3);
+      }
+      if (last) {
+        y[(ncols - 1) * ldy + r] = odd0;
+        y[(ncols - 1) * ldy + r + 1] = odd1;
+      }
+    }
+  }
+#endif
+  for (; r < r1; ++r) {
+    for (int64_t c = 0; c < ncols; ++c) y[c * ldy + r] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      ArmBlock256 u;
+      Decode(W + size_t(r) * ws + size_t(b) * kBytes, &u);
+      for (int64_t c = 0; c < ncols; ++c) y[c * ldy + r] += dot256<kMin>(u, act_k(xq, xs, c)[b]);
+    }
+  }
+}
+
+// Q8_32 activation rows: int8 qs[ngroups * 64], then per group floats d0, d1, s0, s1.
+struct ActG32 {
+  const int8_t* qs;
+  const float* sc;
+  float d(int64_t b) const { return sc[4 * (b / 2) + (b & 1)]; }
+  float s(int64_t b) const { return sc[4 * (b / 2) + 2 + (b & 1)]; }
+};
+inline ActG32 act_g32(const void* xq, size_t xs, int64_t c, int64_t ng) {
+  const int8_t* qs = reinterpret_cast<const int8_t*>(static_cast<const uint8_t*>(xq) + size_t(c) * xs);
+  return {qs, reinterpret_cast<const float*>(qs + ng * 64)};
+}
+
+template <ArmDecode32 Decode, size_t kBytes>
+void matmul_a32(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                int64_t ncols, float* y, int64_t ldy) {
+  const int64_t nb = k / 32, ng = g32_groups(k);
+  const uint8_t* W = static_cast<const uint8_t*>(w);
+  int64_t r = r0;
+#if TF_ARM_LEVEL >= 2
+  if (ncols >= 2 && r1 - r0 >= 2) {
+    const int64_t npair = ncols / 2;
+    auto* X = reinterpret_cast<int8x16_t*>(scratch(size_t(npair * nb) * 64, 0));
+    for (int64_t cp = 0; cp < npair; ++cp) {
+      const ActG32 a0 = act_g32(xq, xs, 2 * cp, ng), a1 = act_g32(xq, xs, 2 * cp + 1, ng);
+      for (int64_t b = 0; b < nb; ++b) {
+        int8x16_t* o = X + (cp * nb + b) * 4;
+        zip_pair(vld1q_s8(a0.qs + 32 * b), vld1q_s8(a1.qs + 32 * b), &o[0], &o[1]);
+        zip_pair(vld1q_s8(a0.qs + 32 * b + 16), vld1q_s8(a1.qs + 32 * b + 16), &o[2], &o[3]);
+      }
+    }
+    auto* acc = reinterpret_cast<float32x4_t*>(scratch(size_t(npair) * 16, 1));
+    for (; r + 2 <= r1; r += 2) {
+      for (int64_t cp = 0; cp < npair; ++cp) acc[cp] = vdupq_n_f32(0.f);
+      float odd0 = 0.f, odd1 = 0.f;
+      const ActG32 last = act_g32(xq, xs, ncols - 1, ng);
+      for (int64_t b = 0; b < nb; ++b) {
+        ArmBlock32 u0, u1;
+        Decode(W + size_t(r) * ws + size_t(b) * kBytes, &u0);
+        Decode(W + size_t(r + 1) * ws + size_t(b) * kBytes, &u1);
+        int8x16_t A[4];
+        zip_pair(vld1q_s8(u0.q), vld1q_s8(u1.q), &A[0], &A[1]);
+        zip_pair(vld1q_s8(u0.q + 16), vld1q_s8(u1.q + 16), &A[2], &A[3]);
+        const float32x4_t dd = vcombine_f32(vdup_n_f32(u0.d), vdup_n_f32(u1.d));
+        const float32x4_t mm = vcombine_f32(vdup_n_f32(u0.m), vdup_n_f32(u1.m));
+        const int32x4_t z = vdupq_n_s32(0);
+        for (int64_t cp = 0; cp < npair; ++cp) {
+          const int8x16_t* xb = X + (cp * nb + b) * 4;
+          int32x4_t t = vmmlaq_s32(z, A[0], xb[0]);
+          t = vmmlaq_s32(t, A[1], xb[1]);
+          t = vmmlaq_s32(t, A[2], xb[2]);
+          t = vmmlaq_s32(t, A[3], xb[3]);
+          const ActG32 a0 = act_g32(xq, xs, 2 * cp, ng), a1 = act_g32(xq, xs, 2 * cp + 1, ng);
+          const float32x2_t xd2 = {a0.d(b), a1.d(b)}, xs2 = {a0.s(b), a1.s(b)};
+          const float32x4_t v = vmulq_f32(vcvtq_f32_s32(t), vmulq_f32(dd, vcombine_f32(xd2, xd2)));
+          acc[cp] = vaddq_f32(acc[cp], vaddq_f32(v, vmulq_f32(mm, vcombine_f32(xs2, xs2))));
+        }
+        if (ncols & 1) {
+          odd0 += dot32(u0, last.qs + 32 * b, last.d(b), last.s(b));
+          odd1 += dot32(u1, last.qs + 32 * b, last.d(b), last.s(b));
+        }
+      }
+      for (int64_t cp = 0; cp < npair; ++cp) {
+        y[(2 * cp) * ldy + r] = vgetq_lane_f32(acc[cp], 0);
+        y[(2 * cp + 1) * ldy + r] = vgetq_lane_f32(acc[cp], 1);
+        y[(2 * cp) * ldy + r + 1] = vgetq_lane_f32(acc[cp], 2);
+        y[(2 * cp + 1) * ldy + r + 1] = vgetq_lane_f32(acc[cp], 3);
+      }
+      if (ncols & 1) {
+        y[(ncols - 1) * ldy + r] = odd0;
+        y[(ncols - 1) * ldy + r + 1] = odd1;
+      }
+    }
+  }
+#endif
+  for (; r < r1; ++r) {
+    for (int64_t c = 0; c < ncols; ++c) y[c * ldy + r] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      ArmBlock32 u;
+      Decode(W + size_t(r) * ws + size_t(b) * kBytes, &u);
+      for (int64_t c = 0; c < ncols; ++c) {
+        const ActG32 a = act_g32(xq, xs, c, ng);
+        y[c * ldy + r] += dot32(u, a.qs + 32 * b, a.d(b), a.s(b));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tf::cpu::detail

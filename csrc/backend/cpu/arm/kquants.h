@@ -1,0 +1,180 @@
+// aarch64 kernels of the K-quants (Q2_K .. Q6_K), one build per ISA level (neon_common.h).
+// Q4_K and Q6_K have fused single-column kernels (token generation: the block is never
+// stored) and NEON block decoders for the multi-column drivers; Q2_K, Q3_K and Q5_K decode
+// through the scalar reference (k_scales / k_values) and share the drivers.
+#pragma once
+#include "backend/cpu/arm/drivers.h"
+#include "core/half.h"
+#include "quant/blocks.h"
+
+namespace tf::cpu::detail {
+namespace {
+
+// Any K-quant through the scalar unpack: q in 0..63 with per-16 scales and mins.
+template <GgmlType T>
+void decode_k_ref(const uint8_t* blk, ArmBlock256* u) {
+  KUnpacked k;
+  k_scales(T, blk, &k);
+  k_values(T, blk, reinterpret_cast<uint8_t*>(u->v.q));
+  std::memcpy(u->v.sc, k.sc, sizeof(k.sc));
+  std::memcpy(u->mn, k.mn, sizeof(k.mn));
+  u->v.d = k.d;
+  u->dmin = k.dmin;
+}
+
+// ---- Q4_K -------------------------------------------------------------------------------
+
+// The eight 6-bit scales and mins of a Q4_K / Q5_K block (12 packed bytes): bytes 0..3 hold
+// scales 0..3 (low 6 bits) and the top 2 bits of scales 4..7, bytes 4..7 the same for the
+// mins, bytes 8..11 the low nibbles (scales 4..7) and high nibbles (mins 4..7).
+inline void q4k_scales_mins(const uint8_t* s12, uint8x8_t* sc, uint8x8_t* mn) {
+  uint32_t a0, a1, a2;
+  std::memcpy(&a0, s12, 4);
+  std::memcpy(&a1, s12 + 4, 4);
+  std::memcpy(&a2, s12 + 8, 4);
+  const uint32_t sc_lo = a0 & 0x3f3f3f3fu, mn_lo = a1 & 0x3f3f3f3fu;
+  const uint32_t sc_hi = (a2 & 0x0f0f0f0fu) | (((a0 >> 6) & 0x03030303u) << 4);
+  const uint32_t mn_hi = ((a2 >> 4) & 0x0f0f0f0fu) | (((a1 >> 6) & 0x03030303u) << 4);
+  *sc = vcreate_u8(uint64_t(sc_lo) | uint64_t(sc_hi) << 32);
+  *mn = vcreate_u8(uint64_t(mn_lo) | uint64_t(mn_hi) << 32);
+}
+
+void decode_q4k(const uint8_t* p, ArmBlock256* u) {
+  const auto* b = reinterpret_cast<const block_q4_K*>(p);
+  const uint8x16_t m4 = vdupq_n_u8(0x0F);
+  for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles) and 2i+1 (high nibbles)
+    const uint8x16_t v0 = vld1q_u8(b->qs + 32 * i), v1 = vld1q_u8(b->qs + 32 * i + 16);
+    vst1q_u8(reinterpret_cast<uint8_t*>(u->v.q) + 64 * i, vandq_u8(v0, m4));
+    vst1q_u8(reinterpret_cast<uint8_t*>(u->v.q) + 64 * i + 16, vandq_u8(v1, m4));
+    vst1q_u8(reinterpret_cast<uint8_t*>(u->v.q) + 64 * i + 32, vshrq_n_u8(v0, 4));
+    vst1q_u8(reinterpret_cast<uint8_t*>(u->v.q) + 64 * i + 48, vshrq_n_u8(v1, 4));
+  }
+  uint8x8_t sc, mn;
+  q4k_scales_mins(b->scales, &sc, &mn);
+  const uint8x8x2_t s2 = vzip_u8(sc, sc), m2 = vzip_u8(mn, mn);  // one per 16 values
+  vst1q_s16(u->v.sc, vreinterpretq_s16_u16(vmovl_u8(s2.val[0])));
+  vst1q_s16(u->v.sc + 8, vreinterpretq_s16_u16(vmovl_u8(s2.val[1])));
+  vst1q_s16(u->mn, vreinterpretq_s16_u16(vmovl_u8(m2.val[0])));
+  vst1q_s16(u->mn + 8, vreinterpretq_s16_u16(vmovl_u8(m2.val[1])));
+  u->v.d = fp16_to_fp32(b->d);
+  u->dmin = fp16_to_fp32(b->dmin);
+}
+
+// One Q4_K block against one activation block: the fused single-column inner loop.
+inline float q4k_block_dot(const block_q4_K* b, const ActK& a) {
+  uint8x8_t sc8, mn8;
+  q4k_scales_mins(b->scales, &sc8, &mn8);
+  // min term: mins (one per 32) times the 32-value activation sums
+  const int16x8_t bs = vpaddq_s16(vld1q_s16(a.bsums), vld1q_s16(a.bsums + 8));
+  const int16x8_t mn = vreinterpretq_s16_u16(vmovl_u8(mn8));
+  const int32x4_t msum = vmlal_high_s16(vmull_s16(vget_low_s16(bs), vget_low_s16(mn)), bs, mn);
+  const int16x8_t sc = vreinterpretq_s16_u16(vmovl_u8(sc8));
+  const uint8x16_t m4 = vdupq_n_u8(0x0F);
+  const int32x4_t z = vdupq_n_s32(0);
+  int32x4_t p[8];
+  for (int i = 0; i < 4; ++i) {
+    const uint8x16_t v0 = vld1q_u8(b->qs + 32 * i), v1 = vld1q_u8(b->qs + 32 * i + 16);
+    const int8_t* x = a.qs + 64 * i;
+    p[2 * i] = dot16(dot16(z, vreinterpretq_s8_u8(vandq_u8(v0, m4)), vld1q_s8(x)),
+                     vreinterpretq_s8_u8(vandq_u8(v1, m4)), vld1q_s8(x + 16));
+    p[2 * i + 1] = dot16(dot16(z, vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), vld1q_s8(x + 32)),
+                         vreinterpretq_s8_u8(vshrq_n_u8(v1, 4)), vld1q_s8(x + 48));
+  }
+  int32x4_t tot = vmulq_s32(sum4(p[0], p[1], p[2], p[3]), vmovl_s16(vget_low_s16(sc)));
+  tot = vmlaq_s32(tot, sum4(p[4], p[5], p[6], p[7]), vmovl_high_s16(sc));
+  return fp16_to_fp32(b->d) * a.d * float(vaddvq_s32(tot)) - fp16_to_fp32(b->dmin) * a.d * float(vaddvq_s32(msum));
+}
+
+template <class BlockT, float (*BlockDot)(const BlockT*, const ActK&)>
+void gemv_k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, float* y) {
+  const int64_t nb = k / 256;
+  const ActK* a = static_cast<const ActK*>(xq);
+  for (int64_t r = r0; r < r1; ++r) {
+    const BlockT* row = reinterpret_cast<const BlockT*>(static_cast<const uint8_t*>(w) + size_t(r) * ws);
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      __builtin_prefetch(reinterpret_cast<const uint8_t*>(row + b) + 1024);
+      acc += BlockDot(row + b, a[b]);
+    }
+    y[r] = acc;
+  }
+}
+
+void matmul_q4k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                int64_t ncols, float* y, int64_t ldy) {
+  if (ncols == 1) return gemv_k<block_q4_K, q4k_block_dot>(k, w, ws, r0, r1, xq, y);
+  matmul_a256<decode_q4k, sizeof(block_q4_K), true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+}
+
+// ---- Q6_K -------------------------------------------------------------------------------
+
+// The eight 16-byte vectors of 6-bit values (0..63) of one 128-value half: ql 64 bytes, qh 32.
+inline void q6k_half(const uint8_t* ql, const uint8_t* qh, uint8x16_t v[8]) {
+  const uint8x16_t m4 = vdupq_n_u8(0x0F), m3 = vdupq_n_u8(0x30);
+  const uint8x16_t h0 = vld1q_u8(qh), h1 = vld1q_u8(qh + 16);
+  const uint8x16_t l0 = vld1q_u8(ql), l1 = vld1q_u8(ql + 16), l2 = vld1q_u8(ql + 32), l3 = vld1q_u8(ql + 48);
+  v[0] = vorrq_u8(vandq_u8(l0, m4), vandq_u8(vshlq_n_u8(h0, 4), m3));
+  v[1] = vorrq_u8(vandq_u8(l1, m4), vandq_u8(vshlq_n_u8(h1, 4), m3));
+  v[2] = vorrq_u8(vandq_u8(l2, m4), vandq_u8(vshlq_n_u8(h0, 2), m3));
+  v[3] = vorrq_u8(vandq_u8(l3, m4), vandq_u8(vshlq_n_u8(h1, 2), m3));
+  v[4] = vorrq_u8(vshrq_n_u8(l0, 4), vandq_u8(h0, m3));
+  v[5] = vorrq_u8(vshrq_n_u8(l1, 4), vandq_u8(h1, m3));
+  v[6] = vorrq_u8(vshrq_n_u8(l2, 4), vandq_u8(vshrq_n_u8(h0, 2), m3));
+  v[7] = vorrq_u8(vshrq_n_u8(l3, 4), vandq_u8(vshrq_n_u8(h1, 2), m3));
+}
+
+// Signed values q - 32 and the int8 scales: no min term.
+void decode_q6k(const uint8_t* p, ArmBlock256* u) {
+  const auto* b = reinterpret_cast<const block_q6_K*>(p);
+  const int8x16_t off = vdupq_n_s8(32);
+  for (int h = 0; h < 2; ++h) {
+    uint8x16_t v[8];
+    q6k_half(b->ql + 64 * h, b->qh + 32 * h, v);
+    for (int i = 0; i < 8; ++i) vst1q_s8(u->v.q + 128 * h + 16 * i, vsubq_s8(vreinterpretq_s8_u8(v[i]), off));
+  }
+  const int8x16_t sc = vld1q_s8(b->scales);
+  vst1q_s16(u->v.sc, vmovl_s8(vget_low_s8(sc)));
+  vst1q_s16(u->v.sc + 8, vmovl_high_s8(sc));
+  u->v.d = fp16_to_fp32(b->d);
+}
+
+// Unsigned values (0..63) in the dot products; the -32 offset comes back through the
+// activation sums: sum sc * (q - 32) * x = sum sc * q * x - 32 * sum sc * bsum.
+inline float q6k_block_dot(const block_q6_K* b, const ActK& a) {
+  const int8x16_t sc8 = vld1q_s8(b->scales);
+  const int16x8_t sc_lo = vmovl_s8(vget_low_s8(sc8)), sc_hi = vmovl_high_s8(sc8);
+  const int16x8_t bs0 = vld1q_s16(a.bsums), bs1 = vld1q_s16(a.bsums + 8);
+  int32x4_t off = vmull_s16(vget_low_s16(sc_lo), vget_low_s16(bs0));
+  off = vmlal_high_s16(off, sc_lo, bs0);
+  off = vmlal_s16(off, vget_low_s16(sc_hi), vget_low_s16(bs1));
+  off = vmlal_high_s16(off, sc_hi, bs1);
+  const int32x4_t z = vdupq_n_s32(0);
+  int32x4_t tot = z;
+  for (int h = 0; h < 2; ++h) {
+    uint8x16_t v[8];
+    q6k_half(b->ql + 64 * h, b->qh + 32 * h, v);
+    const int8_t* x = a.qs + 128 * h;
+    int32x4_t p[8];
+    for (int i = 0; i < 8; ++i) p[i] = dot16(z, vreinterpretq_s8_u8(v[i]), vld1q_s8(x + 16 * i));
+    const int16x8_t sc = h ? sc_hi : sc_lo;
+    tot = vmlaq_s32(tot, sum4(p[0], p[1], p[2], p[3]), vmovl_s16(vget_low_s16(sc)));
+    tot = vmlaq_s32(tot, sum4(p[4], p[5], p[6], p[7]), vmovl_high_s16(sc));
+  }
+  tot = vsubq_s32(tot, vshlq_n_s32(off, 5));
+  return fp16_to_fp32(b->d) * a.d * float(vaddvq_s32(tot));
+}
+
+void matmul_q6k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                int64_t ncols, float* y, int64_t ldy) {
+  if (ncols == 1) return gemv_k<block_q6_K, q6k_block_dot>(k, w, ws, r0, r1, xq, y);
+  matmul_a256<decode_q6k, sizeof(block_q6_K), false>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+}
+
+template <GgmlType T>
+void matmul_k_generic(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                      int64_t ncols, float* y, int64_t ldy) {
+  matmul_a256<decode_k_ref<T>, block_bytes<T>(), true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+}
+
+}  // namespace
+}  // namespace tf::cpu::detail

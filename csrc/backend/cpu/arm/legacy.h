@@ -1,0 +1,169 @@
+// aarch64 kernels of the float formats (F32, F16, BF16) and the 32-value legacy formats
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), one build per ISA level (neon_common.h). Q8_0 has a fused
+// single-column kernel; the rest decode into ArmBlock32 for the shared drivers.
+#pragma once
+#include "backend/cpu/arm/drivers.h"
+#include "core/half.h"
+#include "quant/blocks.h"
+
+namespace tf::cpu::detail {
+namespace {
+
+// ---- float weights ----------------------------------------------------------------------
+
+template <GgmlType T>
+inline float32x4_t load_w4(const uint8_t* row, int64_t i) {
+  if constexpr (T == GgmlType::F32) {
+    return vld1q_f32(reinterpret_cast<const float*>(row) + i);
+  } else if constexpr (T == GgmlType::F16) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(row) + i)));
+  } else {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(row) + i), 16));
+  }
+}
+
+template <GgmlType T>
+inline float load_w1(const uint8_t* row, int64_t i) {
+  if constexpr (T == GgmlType::F32) {
+    float v;
+    std::memcpy(&v, row + 4 * i, 4);
+    return v;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, row + 2 * i, 2);
+    if constexpr (T == GgmlType::F16) return fp16_to_fp32(h);
+    else return bf16_to_fp32(h);
+  }
+}
+
+template <GgmlType T>
+void matmul_float(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                  int64_t ncols, float* y, int64_t ldy) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(w) + size_t(r) * ws;
+    for (int64_t c = 0; c < ncols; ++c) {
+      const float* x = reinterpret_cast<const float*>(static_cast<const uint8_t*>(xq) + size_t(c) * xs);
+      float32x4_t a0 = vdupq_n_f32(0.f), a1 = a0, a2 = a0, a3 = a0;
+      int64_t i = 0;
+      for (; i + 16 <= k; i += 16) {
+        a0 = vfmaq_f32(a0, load_w4<T>(row, i), vld1q_f32(x + i));
+        a1 = vfmaq_f32(a1, load_w4<T>(row, i + 4), vld1q_f32(x + i + 4));
+        a2 = vfmaq_f32(a2, load_w4<T>(row, i + 8), vld1q_f32(x + i + 8));
+        a3 = vfmaq_f32(a3, load_w4<T>(row, i + 12), vld1q_f32(x + i + 12));
+      }
+      for (; i + 4 <= k; i += 4) a0 = vfmaq_f32(a0, load_w4<T>(row, i), vld1q_f32(x + i));
+      float acc = vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
+      for (; i < k; ++i) acc += load_w1<T>(row, i) * x[i];
+      y[c * ldy + r] = acc;
+    }
+  }
+}
+
+// ---- 32-value legacy blocks -------------------------------------------------------------
+
+void decode_q4_0(const uint8_t* p, ArmBlock32* u) {
+  const auto* b = reinterpret_cast<const block_q4_0*>(p);
+  const uint8x16_t v = vld1q_u8(b->qs);
+  const int8x16_t eight = vdupq_n_s8(8);
+  vst1q_s8(u->q, vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F))), eight));
+  vst1q_s8(u->q + 16, vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), eight));
+  u->d = fp16_to_fp32(b->d);
+  u->m = 0.f;
+}
+
+void decode_q4_1(const uint8_t* p, ArmBlock32* u) {
+  const auto* b = reinterpret_cast<const block_q4_1*>(p);
+  const uint8x16_t v = vld1q_u8(b->qs);
+  vst1q_u8(reinterpret_cast<uint8_t*>(u->q), vandq_u8(v, vdupq_n_u8(0x0F)));
+  vst1q_u8(reinterpret_cast<uint8_t*>(u->q) + 16, vshrq_n_u8(v, 4));
+  u->d = fp16_to_fp32(b->d);
+  u->m = fp16_to_fp32(b->m);
+}
+
+// The fifth bits of a Q5 block (qh: bit j = value j) as 0x10 bytes, values 0..15 and 16..31.
+inline void q5_high_bits(const uint8_t* qhp, uint8x16_t* lo, uint8x16_t* hi) {
+  uint32_t qh;
+  std::memcpy(&qh, qhp, 4);
+  const uint8x16_t bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const uint8x8_t b0 = vdup_n_u8(uint8_t(qh)), b1 = vdup_n_u8(uint8_t(qh >> 8));
+  const uint8x8_t b2 = vdup_n_u8(uint8_t(qh >> 16)), b3 = vdup_n_u8(uint8_t(qh >> 24));
+  *lo = vandq_u8(vtstq_u8(vcombine_u8(b0, b1), bit), vdupq_n_u8(0x10));
+  *hi = vandq_u8(vtstq_u8(vcombine_u8(b2, b3), bit), vdupq_n_u8(0x10));
+}
+
+template <bool kSigned>
+inline void decode_q5(const uint8_t* qs, const uint8_t* qh, ArmBlock32* u) {
+  const uint8x16_t v = vld1q_u8(qs);
+  uint8x16_t h0, h1;
+  q5_high_bits(qh, &h0, &h1);
+  int8x16_t lo = vreinterpretq_s8_u8(vorrq_u8(vandq_u8(v, vdupq_n_u8(0x0F)), h0));
+  int8x16_t hi = vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(v, 4), h1));
+  if (kSigned) {
+    lo = vsubq_s8(lo, vdupq_n_s8(16));
+    hi = vsubq_s8(hi, vdupq_n_s8(16));
+  }
+  vst1q_s8(u->q, lo);
+  vst1q_s8(u->q + 16, hi);
+}
+
+void decode_q5_0(const uint8_t* p, ArmBlock32* u) {
+  const auto* b = reinterpret_cast<const block_q5_0*>(p);
+  decode_q5<true>(b->qs, b->qh, u);
+  u->d = fp16_to_fp32(b->d);
+  u->m = 0.f;
+}
+
+void decode_q5_1(const uint8_t* p, ArmBlock32* u) {
+  const auto* b = reinterpret_cast<const block_q5_1*>(p);
+  decode_q5<false>(b->qs, b->qh, u);
+  u->d = fp16_to_fp32(b->d);
+  u->m = fp16_to_fp32(b->m);
+}
+
+void decode_q8_0(const uint8_t* p, ArmBlock32* u) {
+  const auto* b = reinterpret_cast<const block_q8_0*>(p);
+  vst1q_s8(u->q, vld1q_s8(b->qs));
+  vst1q_s8(u->q + 16, vld1q_s8(b->qs + 16));
+  u->d = fp16_to_fp32(b->d);
+  u->m = 0.f;
+}
+
+// Q8_0 single column: two blocks (one activation group of 64) per step, four float lanes
+// accumulated and reduced once per row.
+void gemv_q8_0(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, float* y) {
+  const int64_t nb = k / 32, ng = g32_groups(k);
+  const ActG32 a = act_g32(xq, 0, 0, ng);
+  const int32x4_t z = vdupq_n_s32(0);
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto* row = reinterpret_cast<const block_q8_0*>(static_cast<const uint8_t*>(w) + size_t(r) * ws);
+    float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = acc0;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      __builtin_prefetch(reinterpret_cast<const uint8_t*>(row + b) + 1024);
+      const block_q8_0* w0 = row + b;
+      const block_q8_0* w1 = row + b + 1;
+      const int8_t* x = a.qs + 32 * b;
+      const int32x4_t p0 = dot16(dot16(z, vld1q_s8(w0->qs), vld1q_s8(x)), vld1q_s8(w0->qs + 16), vld1q_s8(x + 16));
+      const int32x4_t p1 = dot16(dot16(z, vld1q_s8(w1->qs), vld1q_s8(x + 32)), vld1q_s8(w1->qs + 16), vld1q_s8(x + 48));
+      const float* xd = a.sc + 4 * (b / 2);  // d0, d1 of this group
+      acc0 = vfmaq_n_f32(acc0, vcvtq_f32_s32(p0), fp16_to_fp32(w0->d) * xd[0]);
+      acc1 = vfmaq_n_f32(acc1, vcvtq_f32_s32(p1), fp16_to_fp32(w1->d) * xd[1]);
+    }
+    float acc = vaddvq_f32(vaddq_f32(acc0, acc1));
+    for (; b < nb; ++b) {
+      ArmBlock32 u;
+      decode_q8_0(reinterpret_cast<const uint8_t*>(row + b), &u);
+      acc += dot32(u, a.qs + 32 * b, a.d(b), 0.f);
+    }
+    y[r] = acc;
+  }
+}
+
+void matmul_q8_0(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                 int64_t ncols, float* y, int64_t ldy) {
+  if (ncols == 1) return gemv_q8_0(k, w, ws, r0, r1, xq, y);
+  matmul_a32<decode_q8_0, sizeof(block_q8_0)>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+}
+
+}  // namespace
+}  // namespace tf::cpu::detail
