@@ -66,6 +66,88 @@ inline float dot32(const ArmBlock32& u, const int8_t* x, float dx, float sx) {
   return u.d * dx * float(vaddvq_s32(p)) + u.m * sx;
 }
 
+// Q8_32 activation rows: int8 qs[ngroups * 64], then per group floats d0, d1, s0, s1.
+struct ActG32 {
+  const int8_t* qs;
+  const float* sc;
+  float d(int64_t b) const { return sc[4 * (b / 2) + (b & 1)]; }
+  float s(int64_t b) const { return sc[4 * (b / 2) + 2 + (b & 1)]; }
+};
+inline ActG32 act_g32(const void* xq, size_t xs, int64_t c, int64_t ng) {
+  const int8_t* qs = reinterpret_cast<const int8_t*>(static_cast<const uint8_t*>(xq) + size_t(c) * xs);
+  return {qs, reinterpret_cast<const float*>(qs + ng * 64)};
+}
+
+// Single-column products (token generation), kRows rows at a time: kRows independent
+// accumulation chains per step and the activation loads shared by the inlined block products
+// (more rows help short kernels, and cost registers in long ones: chosen per format by
+// bench/arm_mca.py). BlockDot(block, activation block) is a format's fused block product.
+template <size_t kBytes, float (*BlockDot)(const uint8_t*, const ActK&), int kRows = 1>
+void gemv256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, float* y) {
+  const int64_t nb = k / 256;
+  const ActK* a = static_cast<const ActK*>(xq);
+  const uint8_t* W = static_cast<const uint8_t*>(w);
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows) {
+    const uint8_t* w0 = W + size_t(r) * ws;
+    float s[kRows] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = w0 + size_t(b) * kBytes;
+      for (int i = 0; i < kRows; ++i) {
+        __builtin_prefetch(p + size_t(i) * ws + 1024);
+        s[i] += BlockDot(p + size_t(i) * ws, a[b]);
+      }
+    }
+    for (int i = 0; i < kRows; ++i) y[r + i] = s[i];
+  }
+  for (; r < r1; ++r) {
+    const uint8_t* w0 = W + size_t(r) * ws;
+    float s0 = 0.f;
+    for (int64_t b = 0; b < nb; ++b) s0 += BlockDot(w0 + size_t(b) * kBytes, a[b]);
+    y[r] = s0;
+  }
+}
+
+// The same for 32-value blocks (Q8_32 activations): Dot32 gives a block's integer product
+// lanes, Scale its float scale; two float accumulators per row (even and odd blocks).
+template <size_t kBytes, int32x4_t (*Dot32)(const uint8_t*, const int8_t*), float (*Scale)(const uint8_t*)>
+void gemv32(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, float* y) {
+  const int64_t nb = k / 32, ng = g32_groups(k);
+  const ActG32 a = act_g32(xq, 0, 0, ng);
+  const uint8_t* W = static_cast<const uint8_t*>(w);
+  int64_t r = r0;
+  const auto tail = [&](const uint8_t* row, int64_t b) {
+    const uint8_t* p = row + size_t(b) * kBytes;
+    return Scale(p) * a.d(b) * float(vaddvq_s32(Dot32(p, a.qs + 32 * b)));
+  };
+  for (; r + 4 <= r1; r += 4) {
+    const uint8_t* w0 = W + size_t(r) * ws;
+    float32x4_t e[4], o[4];
+    for (int i = 0; i < 4; ++i) e[i] = o[i] = vdupq_n_f32(0.f);
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      const float* xd = a.sc + 4 * (b / 2);  // d of blocks b, b + 1
+      const int8_t* x = a.qs + 32 * b;
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t* p = w0 + size_t(i) * ws + size_t(b) * kBytes;
+        __builtin_prefetch(p + 1024);
+        e[i] = vfmaq_n_f32(e[i], vcvtq_f32_s32(Dot32(p, x)), Scale(p) * xd[0]);
+        o[i] = vfmaq_n_f32(o[i], vcvtq_f32_s32(Dot32(p + kBytes, x + 32)), Scale(p + kBytes) * xd[1]);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      float s = vaddvq_f32(vaddq_f32(e[i], o[i]));
+      if (b < nb) s += tail(w0 + size_t(i) * ws, b);
+      y[r + i] = s;
+    }
+  }
+  for (; r < r1; ++r) {
+    float s = 0.f;
+    for (int64_t b = 0; b < nb; ++b) s += tail(W + size_t(r) * ws, b);
+    y[r] = s;
+  }
+}
+
 #if TF_ARM_LEVEL >= 2
 // 16 bytes of row/column 0 and 16 of row/column 1 as the two SMMLA operands covering them:
 // {0[0..7], 1[0..7]} and {0[8..15], 1[8..15]}.
@@ -99,14 +181,27 @@ inline void make_pair256(const ArmBlock256& u0, const ArmBlock256& u1, Pair256& 
 }
 
 // Sum over sub-blocks of S[j] * (2x2 tile of sub-block j): rows of p, columns zipped in X.
+// kScale32: the format's scales come in equal pairs (one per 32 values: Q4_K, Q5_K, the IQ
+// formats), so 32 values share one multiply-add.
+template <bool kScale32>
 inline int32x4_t tile256(const Pair256& p, const int8x16_t* X) {
   const int32x4_t z = vdupq_n_s32(0);
-  int32x4_t tot = z;
-  for (int j = 0; j < 16; ++j) {
-    const int32x4_t t = vmmlaq_s32(vmmlaq_s32(z, p.A[2 * j], X[2 * j]), p.A[2 * j + 1], X[2 * j + 1]);
-    tot = vmlaq_s32(tot, t, p.S[j]);
+  int32x4_t tot[4] = {z, z, z, z};  // independent chains: the scale multiply-adds are the critical path
+  if (kScale32) {
+    for (int j = 0; j < 16; j += 2) {
+      int32x4_t t = vmmlaq_s32(z, p.A[2 * j], X[2 * j]);
+      t = vmmlaq_s32(t, p.A[2 * j + 1], X[2 * j + 1]);
+      t = vmmlaq_s32(t, p.A[2 * j + 2], X[2 * j + 2]);
+      t = vmmlaq_s32(t, p.A[2 * j + 3], X[2 * j + 3]);
+      tot[(j >> 1) & 3] = vmlaq_s32(tot[(j >> 1) & 3], t, p.S[j]);
+    }
+  } else {
+    for (int j = 0; j < 16; ++j) {
+      const int32x4_t t = vmmlaq_s32(vmmlaq_s32(z, p.A[2 * j], X[2 * j]), p.A[2 * j + 1], X[2 * j + 1]);
+      tot[j & 3] = vmlaq_s32(tot[j & 3], t, p.S[j]);
+    }
   }
-  return tot;
+  return vaddq_s32(vaddq_s32(tot[0], tot[1]), vaddq_s32(tot[2], tot[3]));
 }
 
 // Columns 2cp, 2cp+1 of every block zipped for SMMLA: X[(cp * nb + b) * 32 + ...].
@@ -124,7 +219,7 @@ inline const int8x16_t* repack_act256(const void* xq, size_t xs, int64_t npair, 
 }
 #endif
 
-template <ArmDecode256 Decode, size_t kBytes, bool kMin>
+template <ArmDecode256 Decode, size_t kBytes, bool kMin, bool kScale32 = false>
 void matmul_a256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
                  int64_t ncols, float* y, int64_t ldy) {
   const int64_t nb = k / 256;
@@ -150,7 +245,7 @@ void matmul_a256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, co
           const ActK& a1 = act_k(xq, xs, 2 * cp + 1)[b];
           const float32x2_t xd2 = {a0.d, a1.d};
           const float32x4_t xd = vcombine_f32(xd2, xd2);
-          const int32x4_t tot = tile256(p, X + (cp * nb + b) * 32);
+          const int32x4_t tot = tile256<kScale32>(p, X + (cp * nb + b) * 32);
           float32x4_t v = vmulq_f32(vcvtq_f32_s32(tot), vmulq_f32(p.dd, xd));
           if (kMin) {
             const int32x4_t ms = {dot_i16x16(u0.mn, a0.bsums), dot_i16x16(u0.mn, a1.bsums),
@@ -187,19 +282,15 @@ void matmul_a256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, co
   }
 }
 
-// Q8_32 activation rows: int8 qs[ngroups * 64], then per group floats d0, d1, s0, s1.
-struct ActG32 {
-  const int8_t* qs;
-  const float* sc;
-  float d(int64_t b) const { return sc[4 * (b / 2) + (b & 1)]; }
-  float s(int64_t b) const { return sc[4 * (b / 2) + 2 + (b & 1)]; }
+// One column pair's activations of one 32-value block, zipped for SMMLA, with their scales
+// laid out like the 2x2 result lanes.
+struct PackG32 {
+  int8x16_t B[4];
+  float32x4_t xd, xs;  // [d0, d1, d0, d1], [s0, s1, s0, s1]
 };
-inline ActG32 act_g32(const void* xq, size_t xs, int64_t c, int64_t ng) {
-  const int8_t* qs = reinterpret_cast<const int8_t*>(static_cast<const uint8_t*>(xq) + size_t(c) * xs);
-  return {qs, reinterpret_cast<const float*>(qs + ng * 64)};
-}
 
-template <ArmDecode32 Decode, size_t kBytes>
+// kMin: the format has a per-block min (w = d*q + m: Q4_1, Q5_1).
+template <ArmDecode32 Decode, size_t kBytes, bool kMin>
 void matmul_a32(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
                 int64_t ncols, float* y, int64_t ldy) {
   const int64_t nb = k / 32, ng = g32_groups(k);
@@ -208,20 +299,23 @@ void matmul_a32(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, con
 #if TF_ARM_LEVEL >= 2
   if (ncols >= 2 && r1 - r0 >= 2) {
     const int64_t npair = ncols / 2;
-    auto* X = reinterpret_cast<int8x16_t*>(scratch(size_t(npair * nb) * 64, 0));
+    auto* X = reinterpret_cast<PackG32*>(scratch(size_t(npair * nb) * sizeof(PackG32), 0));
     for (int64_t cp = 0; cp < npair; ++cp) {
       const ActG32 a0 = act_g32(xq, xs, 2 * cp, ng), a1 = act_g32(xq, xs, 2 * cp + 1, ng);
       for (int64_t b = 0; b < nb; ++b) {
-        int8x16_t* o = X + (cp * nb + b) * 4;
-        zip_pair(vld1q_s8(a0.qs + 32 * b), vld1q_s8(a1.qs + 32 * b), &o[0], &o[1]);
-        zip_pair(vld1q_s8(a0.qs + 32 * b + 16), vld1q_s8(a1.qs + 32 * b + 16), &o[2], &o[3]);
+        PackG32& o = X[cp * nb + b];
+        zip_pair(vld1q_s8(a0.qs + 32 * b), vld1q_s8(a1.qs + 32 * b), &o.B[0], &o.B[1]);
+        zip_pair(vld1q_s8(a0.qs + 32 * b + 16), vld1q_s8(a1.qs + 32 * b + 16), &o.B[2], &o.B[3]);
+        const float32x2_t d2 = {a0.d(b), a1.d(b)}, s2 = {a0.s(b), a1.s(b)};
+        o.xd = vcombine_f32(d2, d2);
+        o.xs = vcombine_f32(s2, s2);
       }
     }
     auto* acc = reinterpret_cast<float32x4_t*>(scratch(size_t(npair) * 16, 1));
+    const ActG32 last = act_g32(xq, xs, ncols - 1, ng);
     for (; r + 2 <= r1; r += 2) {
       for (int64_t cp = 0; cp < npair; ++cp) acc[cp] = vdupq_n_f32(0.f);
       float odd0 = 0.f, odd1 = 0.f;
-      const ActG32 last = act_g32(xq, xs, ncols - 1, ng);
       for (int64_t b = 0; b < nb; ++b) {
         ArmBlock32 u0, u1;
         Decode(W + size_t(r) * ws + size_t(b) * kBytes, &u0);
@@ -233,15 +327,12 @@ void matmul_a32(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, con
         const float32x4_t mm = vcombine_f32(vdup_n_f32(u0.m), vdup_n_f32(u1.m));
         const int32x4_t z = vdupq_n_s32(0);
         for (int64_t cp = 0; cp < npair; ++cp) {
-          const int8x16_t* xb = X + (cp * nb + b) * 4;
-          int32x4_t t = vmmlaq_s32(z, A[0], xb[0]);
-          t = vmmlaq_s32(t, A[1], xb[1]);
-          t = vmmlaq_s32(t, A[2], xb[2]);
-          t = vmmlaq_s32(t, A[3], xb[3]);
-          const ActG32 a0 = act_g32(xq, xs, 2 * cp, ng), a1 = act_g32(xq, xs, 2 * cp + 1, ng);
-          const float32x2_t xd2 = {a0.d(b), a1.d(b)}, xs2 = {a0.s(b), a1.s(b)};
-          const float32x4_t v = vmulq_f32(vcvtq_f32_s32(t), vmulq_f32(dd, vcombine_f32(xd2, xd2)));
-          acc[cp] = vaddq_f32(acc[cp], vaddq_f32(v, vmulq_f32(mm, vcombine_f32(xs2, xs2))));
+          const PackG32& x = X[cp * nb + b];
+          const int32x4_t t0 = vmmlaq_s32(vmmlaq_s32(z, A[0], x.B[0]), A[1], x.B[1]);
+          const int32x4_t t1 = vmmlaq_s32(vmmlaq_s32(z, A[2], x.B[2]), A[3], x.B[3]);
+          float32x4_t v = vfmaq_f32(acc[cp], vcvtq_f32_s32(vaddq_s32(t0, t1)), vmulq_f32(dd, x.xd));
+          if (kMin) v = vfmaq_f32(v, mm, x.xs);
+          acc[cp] = v;
         }
         if (ncols & 1) {
           odd0 += dot32(u0, last.qs + 32 * b, last.d(b), last.s(b));

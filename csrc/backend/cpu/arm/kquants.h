@@ -56,12 +56,13 @@ void decode_q4k(const uint8_t* p, ArmBlock256* u) {
   vst1q_s16(u->v.sc + 8, vreinterpretq_s16_u16(vmovl_u8(s2.val[1])));
   vst1q_s16(u->mn, vreinterpretq_s16_u16(vmovl_u8(m2.val[0])));
   vst1q_s16(u->mn + 8, vreinterpretq_s16_u16(vmovl_u8(m2.val[1])));
-  u->v.d = fp16_to_fp32(b->d);
-  u->dmin = fp16_to_fp32(b->dmin);
+  u->v.d = h2f(b->d);
+  u->dmin = h2f(b->dmin);
 }
 
 // One Q4_K block against one activation block: the fused single-column inner loop.
-inline float q4k_block_dot(const block_q4_K* b, const ActK& a) {
+inline float q4k_block_dot(const uint8_t* blk, const ActK& a) {
+  const auto* b = reinterpret_cast<const block_q4_K*>(blk);
   uint8x8_t sc8, mn8;
   q4k_scales_mins(b->scales, &sc8, &mn8);
   // min term: mins (one per 32) times the 32-value activation sums
@@ -82,28 +83,13 @@ inline float q4k_block_dot(const block_q4_K* b, const ActK& a) {
   }
   int32x4_t tot = vmulq_s32(sum4(p[0], p[1], p[2], p[3]), vmovl_s16(vget_low_s16(sc)));
   tot = vmlaq_s32(tot, sum4(p[4], p[5], p[6], p[7]), vmovl_high_s16(sc));
-  return fp16_to_fp32(b->d) * a.d * float(vaddvq_s32(tot)) - fp16_to_fp32(b->dmin) * a.d * float(vaddvq_s32(msum));
-}
-
-template <class BlockT, float (*BlockDot)(const BlockT*, const ActK&)>
-void gemv_k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, float* y) {
-  const int64_t nb = k / 256;
-  const ActK* a = static_cast<const ActK*>(xq);
-  for (int64_t r = r0; r < r1; ++r) {
-    const BlockT* row = reinterpret_cast<const BlockT*>(static_cast<const uint8_t*>(w) + size_t(r) * ws);
-    float acc = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      __builtin_prefetch(reinterpret_cast<const uint8_t*>(row + b) + 1024);
-      acc += BlockDot(row + b, a[b]);
-    }
-    y[r] = acc;
-  }
+  return h2f(b->d) * a.d * float(vaddvq_s32(tot)) - h2f(b->dmin) * a.d * float(vaddvq_s32(msum));
 }
 
 void matmul_q4k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
                 int64_t ncols, float* y, int64_t ldy) {
-  if (ncols == 1) return gemv_k<block_q4_K, q4k_block_dot>(k, w, ws, r0, r1, xq, y);
-  matmul_a256<decode_q4k, sizeof(block_q4_K), true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+  if (ncols == 1) return gemv256<sizeof(block_q4_K), q4k_block_dot>(k, w, ws, r0, r1, xq, y);
+  matmul_a256<decode_q4k, sizeof(block_q4_K), true, true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 // ---- Q6_K -------------------------------------------------------------------------------
@@ -135,12 +121,13 @@ void decode_q6k(const uint8_t* p, ArmBlock256* u) {
   const int8x16_t sc = vld1q_s8(b->scales);
   vst1q_s16(u->v.sc, vmovl_s8(vget_low_s8(sc)));
   vst1q_s16(u->v.sc + 8, vmovl_high_s8(sc));
-  u->v.d = fp16_to_fp32(b->d);
+  u->v.d = h2f(b->d);
 }
 
 // Unsigned values (0..63) in the dot products; the -32 offset comes back through the
 // activation sums: sum sc * (q - 32) * x = sum sc * q * x - 32 * sum sc * bsum.
-inline float q6k_block_dot(const block_q6_K* b, const ActK& a) {
+inline float q6k_block_dot(const uint8_t* blk, const ActK& a) {
+  const auto* b = reinterpret_cast<const block_q6_K*>(blk);
   const int8x16_t sc8 = vld1q_s8(b->scales);
   const int16x8_t sc_lo = vmovl_s8(vget_low_s8(sc8)), sc_hi = vmovl_high_s8(sc8);
   const int16x8_t bs0 = vld1q_s16(a.bsums), bs1 = vld1q_s16(a.bsums + 8);
@@ -161,12 +148,12 @@ inline float q6k_block_dot(const block_q6_K* b, const ActK& a) {
     tot = vmlaq_s32(tot, sum4(p[4], p[5], p[6], p[7]), vmovl_high_s16(sc));
   }
   tot = vsubq_s32(tot, vshlq_n_s32(off, 5));
-  return fp16_to_fp32(b->d) * a.d * float(vaddvq_s32(tot));
+  return h2f(b->d) * a.d * float(vaddvq_s32(tot));
 }
 
 void matmul_q6k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
                 int64_t ncols, float* y, int64_t ldy) {
-  if (ncols == 1) return gemv_k<block_q6_K, q6k_block_dot>(k, w, ws, r0, r1, xq, y);
+  if (ncols == 1) return gemv256<sizeof(block_q6_K), q6k_block_dot>(k, w, ws, r0, r1, xq, y);
   matmul_a256<decode_q6k, sizeof(block_q6_K), false>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 

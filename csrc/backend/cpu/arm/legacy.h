@@ -5,6 +5,7 @@
 #include "backend/cpu/arm/drivers.h"
 #include "core/half.h"
 #include "quant/blocks.h"
+#include "quant/iq_layout.h"
 
 namespace tf::cpu::detail {
 namespace {
@@ -31,7 +32,7 @@ inline float load_w1(const uint8_t* row, int64_t i) {
   } else {
     uint16_t h;
     std::memcpy(&h, row + 2 * i, 2);
-    if constexpr (T == GgmlType::F16) return fp16_to_fp32(h);
+    if constexpr (T == GgmlType::F16) return h2f(h);
     else return bf16_to_fp32(h);
   }
 }
@@ -67,7 +68,7 @@ void decode_q4_0(const uint8_t* p, ArmBlock32* u) {
   const int8x16_t eight = vdupq_n_s8(8);
   vst1q_s8(u->q, vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F))), eight));
   vst1q_s8(u->q + 16, vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), eight));
-  u->d = fp16_to_fp32(b->d);
+  u->d = h2f(b->d);
   u->m = 0.f;
 }
 
@@ -76,8 +77,8 @@ void decode_q4_1(const uint8_t* p, ArmBlock32* u) {
   const uint8x16_t v = vld1q_u8(b->qs);
   vst1q_u8(reinterpret_cast<uint8_t*>(u->q), vandq_u8(v, vdupq_n_u8(0x0F)));
   vst1q_u8(reinterpret_cast<uint8_t*>(u->q) + 16, vshrq_n_u8(v, 4));
-  u->d = fp16_to_fp32(b->d);
-  u->m = fp16_to_fp32(b->m);
+  u->d = h2f(b->d);
+  u->m = h2f(b->m);
 }
 
 // The fifth bits of a Q5 block (qh: bit j = value j) as 0x10 bytes, values 0..15 and 16..31.
@@ -109,60 +110,36 @@ inline void decode_q5(const uint8_t* qs, const uint8_t* qh, ArmBlock32* u) {
 void decode_q5_0(const uint8_t* p, ArmBlock32* u) {
   const auto* b = reinterpret_cast<const block_q5_0*>(p);
   decode_q5<true>(b->qs, b->qh, u);
-  u->d = fp16_to_fp32(b->d);
+  u->d = h2f(b->d);
   u->m = 0.f;
 }
 
 void decode_q5_1(const uint8_t* p, ArmBlock32* u) {
   const auto* b = reinterpret_cast<const block_q5_1*>(p);
   decode_q5<false>(b->qs, b->qh, u);
-  u->d = fp16_to_fp32(b->d);
-  u->m = fp16_to_fp32(b->m);
+  u->d = h2f(b->d);
+  u->m = h2f(b->m);
 }
 
 void decode_q8_0(const uint8_t* p, ArmBlock32* u) {
   const auto* b = reinterpret_cast<const block_q8_0*>(p);
   vst1q_s8(u->q, vld1q_s8(b->qs));
   vst1q_s8(u->q + 16, vld1q_s8(b->qs + 16));
-  u->d = fp16_to_fp32(b->d);
+  u->d = h2f(b->d);
   u->m = 0.f;
 }
 
-// Q8_0 single column: two blocks (one activation group of 64) per step, four float lanes
-// accumulated and reduced once per row.
-void gemv_q8_0(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, float* y) {
-  const int64_t nb = k / 32, ng = g32_groups(k);
-  const ActG32 a = act_g32(xq, 0, 0, ng);
-  const int32x4_t z = vdupq_n_s32(0);
-  for (int64_t r = r0; r < r1; ++r) {
-    const auto* row = reinterpret_cast<const block_q8_0*>(static_cast<const uint8_t*>(w) + size_t(r) * ws);
-    float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = acc0;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-      __builtin_prefetch(reinterpret_cast<const uint8_t*>(row + b) + 1024);
-      const block_q8_0* w0 = row + b;
-      const block_q8_0* w1 = row + b + 1;
-      const int8_t* x = a.qs + 32 * b;
-      const int32x4_t p0 = dot16(dot16(z, vld1q_s8(w0->qs), vld1q_s8(x)), vld1q_s8(w0->qs + 16), vld1q_s8(x + 16));
-      const int32x4_t p1 = dot16(dot16(z, vld1q_s8(w1->qs), vld1q_s8(x + 32)), vld1q_s8(w1->qs + 16), vld1q_s8(x + 48));
-      const float* xd = a.sc + 4 * (b / 2);  // d0, d1 of this group
-      acc0 = vfmaq_n_f32(acc0, vcvtq_f32_s32(p0), fp16_to_fp32(w0->d) * xd[0]);
-      acc1 = vfmaq_n_f32(acc1, vcvtq_f32_s32(p1), fp16_to_fp32(w1->d) * xd[1]);
-    }
-    float acc = vaddvq_f32(vaddq_f32(acc0, acc1));
-    for (; b < nb; ++b) {
-      ArmBlock32 u;
-      decode_q8_0(reinterpret_cast<const uint8_t*>(row + b), &u);
-      acc += dot32(u, a.qs + 32 * b, a.d(b), 0.f);
-    }
-    y[r] = acc;
-  }
+// Q8_0 single column (gemv32): a block's integer products and its scale.
+inline int32x4_t q8_0_dot(const uint8_t* p, const int8_t* x) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+  return dot16(dot16(vdupq_n_s32(0), vld1q_s8(q), vld1q_s8(x)), vld1q_s8(q + 16), vld1q_s8(x + 16));
 }
+inline float q8_0_scale(const uint8_t* p) { return h2f(quant::ld16(p)); }
 
 void matmul_q8_0(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
                  int64_t ncols, float* y, int64_t ldy) {
-  if (ncols == 1) return gemv_q8_0(k, w, ws, r0, r1, xq, y);
-  matmul_a32<decode_q8_0, sizeof(block_q8_0)>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+  if (ncols == 1) return gemv32<sizeof(block_q8_0), q8_0_dot, q8_0_scale>(k, w, ws, r0, r1, xq, y);
+  matmul_a32<decode_q8_0, sizeof(block_q8_0), false>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 }  // namespace

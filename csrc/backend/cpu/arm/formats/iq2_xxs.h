@@ -11,11 +11,11 @@ namespace {
 
 // Sub-block s's 32 signed values as two vectors; its scale word in *aux.
 inline void iq2xxs_sub(const uint8_t* b, int s, int8x16_t* v0, int8x16_t* v1, uint32_t* aux) {
-  const uint8_t* rec = b + 2 + 8 * s;
-  const uint32_t a = quant::ld32(rec + 4);
+  const uint64_t rec = quant::ld64(b + 2 + 8 * s);  // one load; the fields by shifts (ALU, not load ports)
+  const uint32_t a = uint32_t(rec >> 32);
   const uint64_t* grid = iq::kIq2xxsGrid;
-  *v0 = signed16(grid[rec[0]], grid[rec[1]], a & 127, (a >> 7) & 127);
-  *v1 = signed16(grid[rec[2]], grid[rec[3]], (a >> 14) & 127, (a >> 21) & 127);
+  *v0 = signed16(grid[rec & 255], grid[(rec >> 8) & 255], a & 127, (a >> 7) & 127);
+  *v1 = signed16(grid[(rec >> 16) & 255], grid[(rec >> 24) & 255], (a >> 14) & 127, (a >> 21) & 127);
   *aux = a;
 }
 
@@ -28,13 +28,14 @@ void decode_iq2xxs(const uint8_t* b, ArmBlock256* u) {
     vst1q_s8(u->v.q + 32 * s + 16, v1);
     u->v.sc[2 * s] = u->v.sc[2 * s + 1] = int16_t(2 * (aux >> 28) + 1);
   }
-  u->v.d = fp16_to_fp32(quant::ld16(b)) * 0.125f;
+  u->v.d = h2f(quant::ld16(b)) * 0.125f;
 }
 
 inline float iq2xxs_block_dot(const uint8_t* b, const ActK& a) {
   const int32x4_t z = vdupq_n_s32(0);
   int32x4_t p[8];
   int32_t sc[8];
+#pragma GCC unroll 8
   for (int s = 0; s < 8; ++s) {
     int8x16_t v0, v1;
     uint32_t aux;
@@ -44,23 +45,14 @@ inline float iq2xxs_block_dot(const uint8_t* b, const ActK& a) {
   }
   int32x4_t tot = vmulq_s32(sum4(p[0], p[1], p[2], p[3]), vld1q_s32(sc));
   tot = vmlaq_s32(tot, sum4(p[4], p[5], p[6], p[7]), vld1q_s32(sc + 4));
-  return fp16_to_fp32(quant::ld16(b)) * 0.125f * a.d * float(vaddvq_s32(tot));
+  return h2f(quant::ld16(b)) * 0.125f * a.d * float(vaddvq_s32(tot));
 }
 
 void matmul_iq2xxs(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
                    int64_t ncols, float* y, int64_t ldy) {
   constexpr size_t kBytes = quant::iq2_xxs::kBytes;
-  if (ncols > 1) return matmul_a256<decode_iq2xxs, kBytes, false>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
-  const ActK* a = static_cast<const ActK*>(xq);
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = static_cast<const uint8_t*>(w) + size_t(r) * ws;
-    float acc = 0.f;
-    for (int64_t b = 0; b < k / 256; ++b) {
-      __builtin_prefetch(row + size_t(b) * kBytes + 1024);
-      acc += iq2xxs_block_dot(row + size_t(b) * kBytes, a[b]);
-    }
-    y[r] = acc;
-  }
+  if (ncols == 1) return gemv256<kBytes, iq2xxs_block_dot>(k, w, ws, r0, r1, xq, y);
+  matmul_a256<decode_iq2xxs, kBytes, false, true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 }  // namespace
