@@ -6,13 +6,13 @@ Method (the same for both sides):
   1. bench/arm_mca_harness.cpp is linked with TensorFold's i8mm kernel build and with
      llama.cpp's ggml-cpu ARM quants.c and repack.cpp, all compiled by one compiler with one
      set of flags (-O3 -march=armv8.2-a+dotprod+i8mm, the flags CMake gives our i8mm level).
-  2. qemu-aarch64 runs one kernel call (8 rows x 2048 weights; prefill: x 8 columns) with
+  2. qemu-aarch64 runs one kernel call (8 rows x 2048 weights; prefill: x 32 columns) with
      instruction tracing; the instructions executed between the harness's two markers are the
      call's dynamic instruction stream — every loop iteration, every prologue, the activation
      repacks and block decodes included.
   3. llvm-mca times that stream for the model CPU (L1-resident data: both sides equally).
      The unit is 256 multiply-accumulates (SDOT = 16, SMMLA = 32), i.e. cycles per 256 weights
-     for one activation column: decode = 1 column, prefill = per column of an 8-column call.
+     for one activation column: decode = 1 column, prefill = per column of a 32-column call.
 
 llama.cpp's paths: vec_dot (nrc = 1, its decode), vec_dot2 (nrc = 2, SMMLA 2x2, where it has
 one), gemv / gemm (the repacked interleaved-rows kernels of repack.cpp, where it has them). The
@@ -179,7 +179,7 @@ def main() -> int:
         emit(f"llvm-mca -mcpu={args.mcpu} ({next((v.strip() for v in version if 'version' in v), '?')}); "
              f"compiler {run(['aarch64-linux-gnu-g++', '--version']).splitlines()[0]}; flags {' '.join(FLAGS)}")
         emit("cycles per 256 weights x 1 activation column (256 MACs), whole-call dynamic instruction stream")
-        emit("decode: 8 rows x 2048 weights x 1 column; prefill: 8 rows x 2048 x 8 columns")
+        emit("decode: 8 rows x 2048 weights x 1 column; prefill: 8 rows x 2048 x 32 columns")
         emit("")
         hdr = f"{'format':8} {'kind':8} {'ours':>7} | {'llama best':>10} {'(path)':12} | llama paths"
         emit(hdr)

@@ -60,7 +60,7 @@ extern "C" __attribute__((noinline)) void tf_mca_end() { __asm__ volatile("" :::
 namespace {
 
 constexpr int64_t kK = 2048;      // weights per row: 8 blocks of 256
-constexpr int kRows = 8, kCols = 8;  // decode: kRows x 1; prefill: kRows x kCols
+constexpr int kRows = 8, kCols = 32;  // decode: kRows x 1; prefill: kRows x kCols (a 32-token batch)
 
 using OursFn = void (*)(int64_t, const void*, size_t, int64_t, int64_t, const void*, size_t, int64_t, float*, int64_t);
 using VecDotFn = void (*)(int, float*, size_t, const void*, size_t, const void*, size_t, int);

@@ -108,42 +108,44 @@ void gemv256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const 
   }
 }
 
-// The same for 32-value blocks (Q8_32 activations): Dot32 gives a block's integer product
-// lanes, Scale its float scale; two float accumulators per row (even and odd blocks).
-template <size_t kBytes, int32x4_t (*Dot32)(const uint8_t*, const int8_t*), float (*Scale)(const uint8_t*)>
+// The same for 32-value blocks (Q8_32 activations), four rows at a time: Dot32 gives a block's
+// integer product lanes, Scale4(block, row stride) the four rows' block scales as one vector.
+// The four rows' sums are reduced into the four lanes of one vector before the conversion to
+// float, so a block costs one int->float conversion for four rows (SCVTF is a narrow port).
+template <size_t kBytes, int32x4_t (*Dot32)(const uint8_t*, const int8_t*), float32x4_t (*Scale4)(const uint8_t*, size_t)>
 void gemv32(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, float* y) {
   const int64_t nb = k / 32, ng = g32_groups(k);
   const ActG32 a = act_g32(xq, 0, 0, ng);
   const uint8_t* W = static_cast<const uint8_t*>(w);
   int64_t r = r0;
-  const auto tail = [&](const uint8_t* row, int64_t b) {
-    const uint8_t* p = row + size_t(b) * kBytes;
-    return Scale(p) * a.d(b) * float(vaddvq_s32(Dot32(p, a.qs + 32 * b)));
-  };
   for (; r + 4 <= r1; r += 4) {
     const uint8_t* w0 = W + size_t(r) * ws;
-    float32x4_t e[4], o[4];
-    for (int i = 0; i < 4; ++i) e[i] = o[i] = vdupq_n_f32(0.f);
+    float32x4_t e = vdupq_n_f32(0.f), o = e;  // lanes: rows r..r+3; even / odd blocks
     int64_t b = 0;
+    const auto block = [&](int64_t bb, float32x4_t acc) {
+      const uint8_t* p = w0 + size_t(bb) * kBytes;
+      const int8_t* x = a.qs + 32 * bb;
+      __builtin_prefetch(p + 1024);
+      __builtin_prefetch(p + ws + 1024);
+      __builtin_prefetch(p + 2 * ws + 1024);
+      __builtin_prefetch(p + 3 * ws + 1024);
+      const int32x4_t s = sum4(Dot32(p, x), Dot32(p + ws, x), Dot32(p + 2 * ws, x), Dot32(p + 3 * ws, x));
+      return vfmaq_f32(acc, vcvtq_f32_s32(s), vmulq_n_f32(Scale4(p, ws), a.d(bb)));
+    };
     for (; b + 2 <= nb; b += 2) {
-      const float* xd = a.sc + 4 * (b / 2);  // d of blocks b, b + 1
-      const int8_t* x = a.qs + 32 * b;
-      for (int i = 0; i < 4; ++i) {
-        const uint8_t* p = w0 + size_t(i) * ws + size_t(b) * kBytes;
-        __builtin_prefetch(p + 1024);
-        e[i] = vfmaq_n_f32(e[i], vcvtq_f32_s32(Dot32(p, x)), Scale(p) * xd[0]);
-        o[i] = vfmaq_n_f32(o[i], vcvtq_f32_s32(Dot32(p + kBytes, x + 32)), Scale(p + kBytes) * xd[1]);
-      }
+      e = block(b, e);
+      o = block(b + 1, o);
     }
-    for (int i = 0; i < 4; ++i) {
-      float s = vaddvq_f32(vaddq_f32(e[i], o[i]));
-      if (b < nb) s += tail(w0 + size_t(i) * ws, b);
-      y[r + i] = s;
-    }
+    if (b < nb) e = block(b, e);
+    vst1q_f32(y + r, vaddq_f32(e, o));
   }
   for (; r < r1; ++r) {
+    const uint8_t* w0 = W + size_t(r) * ws;
     float s = 0.f;
-    for (int64_t b = 0; b < nb; ++b) s += tail(W + size_t(r) * ws, b);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = w0 + size_t(b) * kBytes;
+      s += vgetq_lane_f32(Scale4(p, 0), 0) * a.d(b) * float(vaddvq_s32(Dot32(p, a.qs + 32 * b)));
+    }
     y[r] = s;
   }
 }
@@ -180,42 +182,63 @@ inline void make_pair256(const ArmBlock256& u0, const ArmBlock256& u1, Pair256& 
   p.dm = vcombine_f32(vdup_n_f32(u0.dmin), vdup_n_f32(u1.dmin));
 }
 
-// Sum over sub-blocks of S[j] * (2x2 tile of sub-block j): rows of p, columns zipped in X.
-// kScale32: the format's scales come in equal pairs (one per 32 values: Q4_K, Q5_K, the IQ
-// formats), so 32 values share one multiply-add.
+// One column pair's activations of one 256-value block, zipped for SMMLA: the values, the
+// 32-value sums (min terms of the per-32 formats) and the scales as [d0, d1, d0, d1].
+struct PackK256 {
+  int8x16_t B[32];
+  int16x8_t bs8[2];
+  float32x4_t xd;
+};
+
+// Sum over sub-blocks j of S[j] * (2x2 tile of sub-block j), for two column pairs at once (the
+// row operands are loaded once for both). kScale32: the scales come in equal pairs (one per 32
+// values: Q4_K, the IQ formats), so 32 values share one multiply-add.
 template <bool kScale32>
-inline int32x4_t tile256(const Pair256& p, const int8x16_t* X) {
+inline void tile256x2(const Pair256& p, const int8x16_t* X0, const int8x16_t* X1, int32x4_t* out0, int32x4_t* out1) {
   const int32x4_t z = vdupq_n_s32(0);
-  int32x4_t tot[4] = {z, z, z, z};  // independent chains: the scale multiply-adds are the critical path
-  if (kScale32) {
-    for (int j = 0; j < 16; j += 2) {
-      int32x4_t t = vmmlaq_s32(z, p.A[2 * j], X[2 * j]);
-      t = vmmlaq_s32(t, p.A[2 * j + 1], X[2 * j + 1]);
-      t = vmmlaq_s32(t, p.A[2 * j + 2], X[2 * j + 2]);
-      t = vmmlaq_s32(t, p.A[2 * j + 3], X[2 * j + 3]);
-      tot[(j >> 1) & 3] = vmlaq_s32(tot[(j >> 1) & 3], t, p.S[j]);
+  int32x4_t s0[2] = {z, z}, s1[2] = {z, z};  // two chains per column pair
+  constexpr int step = kScale32 ? 2 : 1;
+  for (int j = 0; j < 16; j += step) {
+    int32x4_t t0 = vmmlaq_s32(z, p.A[2 * j], X0[2 * j]);
+    int32x4_t t1 = vmmlaq_s32(z, p.A[2 * j], X1[2 * j]);
+    for (int i = 1; i < 2 * step; ++i) {
+      t0 = vmmlaq_s32(t0, p.A[2 * j + i], X0[2 * j + i]);
+      t1 = vmmlaq_s32(t1, p.A[2 * j + i], X1[2 * j + i]);
     }
-  } else {
-    for (int j = 0; j < 16; ++j) {
-      const int32x4_t t = vmmlaq_s32(vmmlaq_s32(z, p.A[2 * j], X[2 * j]), p.A[2 * j + 1], X[2 * j + 1]);
-      tot[j & 3] = vmlaq_s32(tot[j & 3], t, p.S[j]);
-    }
+    const int c = (j / step) & 1;
+    s0[c] = vmlaq_s32(s0[c], t0, p.S[j]);
+    s1[c] = vmlaq_s32(s1[c], t1, p.S[j]);
   }
-  return vaddq_s32(vaddq_s32(tot[0], tot[1]), vaddq_s32(tot[2], tot[3]));
+  *out0 = vaddq_s32(s0[0], s0[1]);
+  *out1 = vaddq_s32(s1[0], s1[1]);
 }
 
-// Columns 2cp, 2cp+1 of every block zipped for SMMLA: X[(cp * nb + b) * 32 + ...].
-inline const int8x16_t* repack_act256(const void* xq, size_t xs, int64_t npair, int64_t nb) {
-  auto* X = reinterpret_cast<int8x16_t*>(scratch(size_t(npair * nb) * 512, 0));
+// Columns 2cp, 2cp+1 of every block packed for SMMLA: X[cp * nb + b].
+inline const PackK256* repack_act256(const void* xq, size_t xs, int64_t npair, int64_t nb) {
+  auto* X = reinterpret_cast<PackK256*>(scratch(size_t(npair * nb) * sizeof(PackK256), 0));
   for (int64_t cp = 0; cp < npair; ++cp) {
     const ActK* a0 = act_k(xq, xs, 2 * cp);
     const ActK* a1 = act_k(xq, xs, 2 * cp + 1);
     for (int64_t b = 0; b < nb; ++b) {
-      int8x16_t* o = X + (cp * nb + b) * 32;
-      for (int j = 0; j < 16; ++j) zip_pair(vld1q_s8(a0[b].qs + 16 * j), vld1q_s8(a1[b].qs + 16 * j), &o[2 * j], &o[2 * j + 1]);
+      PackK256& o = X[cp * nb + b];
+      for (int j = 0; j < 16; ++j) zip_pair(vld1q_s8(a0[b].qs + 16 * j), vld1q_s8(a1[b].qs + 16 * j), &o.B[2 * j], &o.B[2 * j + 1]);
+      o.bs8[0] = vpaddq_s16(vld1q_s16(a0[b].bsums), vld1q_s16(a0[b].bsums + 8));
+      o.bs8[1] = vpaddq_s16(vld1q_s16(a1[b].bsums), vld1q_s16(a1[b].bsums + 8));
+      const float32x2_t d2 = {a0[b].d, a1[b].d};
+      o.xd = vcombine_f32(d2, d2);
     }
   }
   return X;
+}
+
+// Min terms of one 2x2 tile, lanes [r0c0, r0c1, r1c0, r1c1]: per-32 mins (8 per row) against
+// the packed 32-value sums.
+inline int32x4_t min_tile32(int16x8_t mn0, int16x8_t mn1, const PackK256& x) {
+  const int32x4_t m00 = vmlal_high_s16(vmull_s16(vget_low_s16(mn0), vget_low_s16(x.bs8[0])), mn0, x.bs8[0]);
+  const int32x4_t m01 = vmlal_high_s16(vmull_s16(vget_low_s16(mn0), vget_low_s16(x.bs8[1])), mn0, x.bs8[1]);
+  const int32x4_t m10 = vmlal_high_s16(vmull_s16(vget_low_s16(mn1), vget_low_s16(x.bs8[0])), mn1, x.bs8[0]);
+  const int32x4_t m11 = vmlal_high_s16(vmull_s16(vget_low_s16(mn1), vget_low_s16(x.bs8[1])), mn1, x.bs8[1]);
+  return sum4(m00, m01, m10, m11);
 }
 #endif
 
@@ -228,9 +251,28 @@ void matmul_a256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, co
 #if TF_ARM_LEVEL >= 2
   if (ncols >= 2 && r1 - r0 >= 2) {
     const int64_t npair = ncols / 2;
-    const int8x16_t* X = repack_act256(xq, xs, npair, nb);
+    const PackK256* X = repack_act256(xq, xs, npair, nb);
     auto* acc = reinterpret_cast<float32x4_t*>(scratch(size_t(npair) * 16, 1));
     const ActK* last = (ncols & 1) ? act_k(xq, xs, ncols - 1) : nullptr;
+    // One 2x2 tile's float contribution of block b (column pair cp, integer sums tot).
+    const auto finish = [&](const Pair256& p, const ArmBlock256& u0, const ArmBlock256& u1, int16x8_t mn0,
+                            int16x8_t mn1, int64_t cp, int64_t b, int32x4_t tot) {
+      const PackK256& x = X[cp * nb + b];
+      float32x4_t v = vmulq_f32(vcvtq_f32_s32(tot), vmulq_f32(p.dd, x.xd));
+      if (kMin) {
+        int32x4_t ms;
+        if (kScale32) {
+          ms = min_tile32(mn0, mn1, x);
+        } else {
+          const ActK& a0 = act_k(xq, xs, 2 * cp)[b];
+          const ActK& a1 = act_k(xq, xs, 2 * cp + 1)[b];
+          ms = int32x4_t{dot_i16x16(u0.mn, a0.bsums), dot_i16x16(u0.mn, a1.bsums), dot_i16x16(u1.mn, a0.bsums),
+                         dot_i16x16(u1.mn, a1.bsums)};
+        }
+        v = vmlsq_f32(v, vcvtq_f32_s32(ms), vmulq_f32(p.dm, x.xd));
+      }
+      acc[cp] = vaddq_f32(acc[cp], v);
+    };
     for (; r + 2 <= r1; r += 2) {
       for (int64_t cp = 0; cp < npair; ++cp) acc[cp] = vdupq_n_f32(0.f);
       float odd0 = 0.f, odd1 = 0.f;
@@ -240,19 +282,22 @@ void matmul_a256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, co
         Decode(W + size_t(r + 1) * ws + size_t(b) * kBytes, &u1);
         Pair256 p;
         make_pair256(u0, u1, p);
-        for (int64_t cp = 0; cp < npair; ++cp) {
-          const ActK& a0 = act_k(xq, xs, 2 * cp)[b];
-          const ActK& a1 = act_k(xq, xs, 2 * cp + 1)[b];
-          const float32x2_t xd2 = {a0.d, a1.d};
-          const float32x4_t xd = vcombine_f32(xd2, xd2);
-          const int32x4_t tot = tile256<kScale32>(p, X + (cp * nb + b) * 32);
-          float32x4_t v = vmulq_f32(vcvtq_f32_s32(tot), vmulq_f32(p.dd, xd));
-          if (kMin) {
-            const int32x4_t ms = {dot_i16x16(u0.mn, a0.bsums), dot_i16x16(u0.mn, a1.bsums),
-                                  dot_i16x16(u1.mn, a0.bsums), dot_i16x16(u1.mn, a1.bsums)};
-            v = vsubq_f32(v, vmulq_f32(vcvtq_f32_s32(ms), vmulq_f32(p.dm, xd)));
-          }
-          acc[cp] = vaddq_f32(acc[cp], v);
+        int16x8_t mn0 = vdupq_n_s16(0), mn1 = mn0;
+        if (kMin && kScale32) {  // per-32 mins: the even entries
+          mn0 = vuzp1q_s16(vld1q_s16(u0.mn), vld1q_s16(u0.mn + 8));
+          mn1 = vuzp1q_s16(vld1q_s16(u1.mn), vld1q_s16(u1.mn + 8));
+        }
+        int64_t cp = 0;
+        for (; cp + 2 <= npair; cp += 2) {
+          int32x4_t t0, t1;
+          tile256x2<kScale32>(p, X[cp * nb + b].B, X[(cp + 1) * nb + b].B, &t0, &t1);
+          finish(p, u0, u1, mn0, mn1, cp, b, t0);
+          finish(p, u0, u1, mn0, mn1, cp + 1, b, t1);
+        }
+        if (cp < npair) {
+          int32x4_t t0, t1;
+          tile256x2<kScale32>(p, X[cp * nb + b].B, X[cp * nb + b].B, &t0, &t1);
+          finish(p, u0, u1, mn0, mn1, cp, b, t0);
         }
         if (last) {
           odd0 += dot256<kMin>(u0, last[b]);
@@ -311,39 +356,69 @@ void matmul_a32(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, con
         o.xs = vcombine_f32(s2, s2);
       }
     }
-    auto* acc = reinterpret_cast<float32x4_t*>(scratch(size_t(npair) * 16, 1));
+    // Each row pair is zipped once for all its blocks; then column pairs two at a time run
+    // over the blocks with their accumulators in registers.
+    struct PackW32 {
+      int8x16_t A[4];
+      float32x4_t dd, mm;  // [d0, d0, d1, d1], [m0, m0, m1, m1]
+    };
+    auto* P = reinterpret_cast<PackW32*>(scratch(size_t(nb) * sizeof(PackW32), 1));
     const ActG32 last = act_g32(xq, xs, ncols - 1, ng);
+    const int32x4_t z = vdupq_n_s32(0);
+    const auto tile = [&](const PackW32& pw, const PackG32& x, float32x4_t acc) {
+      int32x4_t t = vmmlaq_s32(z, pw.A[0], x.B[0]);
+      t = vmmlaq_s32(t, pw.A[1], x.B[1]);
+      t = vmmlaq_s32(t, pw.A[2], x.B[2]);
+      t = vmmlaq_s32(t, pw.A[3], x.B[3]);
+      acc = vfmaq_f32(acc, vcvtq_f32_s32(t), vmulq_f32(pw.dd, x.xd));
+      if (kMin) acc = vfmaq_f32(acc, pw.mm, x.xs);
+      return acc;
+    };
+    const auto store = [&](int64_t cp, float32x4_t v) {
+      y[(2 * cp) * ldy + r] = vgetq_lane_f32(v, 0);
+      y[(2 * cp + 1) * ldy + r] = vgetq_lane_f32(v, 1);
+      y[(2 * cp) * ldy + r + 1] = vgetq_lane_f32(v, 2);
+      y[(2 * cp + 1) * ldy + r + 1] = vgetq_lane_f32(v, 3);
+    };
     for (; r + 2 <= r1; r += 2) {
-      for (int64_t cp = 0; cp < npair; ++cp) acc[cp] = vdupq_n_f32(0.f);
       float odd0 = 0.f, odd1 = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         ArmBlock32 u0, u1;
         Decode(W + size_t(r) * ws + size_t(b) * kBytes, &u0);
         Decode(W + size_t(r + 1) * ws + size_t(b) * kBytes, &u1);
-        int8x16_t A[4];
-        zip_pair(vld1q_s8(u0.q), vld1q_s8(u1.q), &A[0], &A[1]);
-        zip_pair(vld1q_s8(u0.q + 16), vld1q_s8(u1.q + 16), &A[2], &A[3]);
-        const float32x4_t dd = vcombine_f32(vdup_n_f32(u0.d), vdup_n_f32(u1.d));
-        const float32x4_t mm = vcombine_f32(vdup_n_f32(u0.m), vdup_n_f32(u1.m));
-        const int32x4_t z = vdupq_n_s32(0);
-        for (int64_t cp = 0; cp < npair; ++cp) {
-          const PackG32& x = X[cp * nb + b];
-          const int32x4_t t0 = vmmlaq_s32(vmmlaq_s32(z, A[0], x.B[0]), A[1], x.B[1]);
-          const int32x4_t t1 = vmmlaq_s32(vmmlaq_s32(z, A[2], x.B[2]), A[3], x.B[3]);
-          float32x4_t v = vfmaq_f32(acc[cp], vcvtq_f32_s32(vaddq_s32(t0, t1)), vmulq_f32(dd, x.xd));
-          if (kMin) v = vfmaq_f32(v, mm, x.xs);
-          acc[cp] = v;
-        }
+        PackW32& pw = P[b];
+        zip_pair(vld1q_s8(u0.q), vld1q_s8(u1.q), &pw.A[0], &pw.A[1]);
+        zip_pair(vld1q_s8(u0.q + 16), vld1q_s8(u1.q + 16), &pw.A[2], &pw.A[3]);
+        pw.dd = vcombine_f32(vdup_n_f32(u0.d), vdup_n_f32(u1.d));
+        pw.mm = vcombine_f32(vdup_n_f32(u0.m), vdup_n_f32(u1.m));
         if (ncols & 1) {
           odd0 += dot32(u0, last.qs + 32 * b, last.d(b), last.s(b));
           odd1 += dot32(u1, last.qs + 32 * b, last.d(b), last.s(b));
         }
       }
-      for (int64_t cp = 0; cp < npair; ++cp) {
-        y[(2 * cp) * ldy + r] = vgetq_lane_f32(acc[cp], 0);
-        y[(2 * cp + 1) * ldy + r] = vgetq_lane_f32(acc[cp], 1);
-        y[(2 * cp) * ldy + r + 1] = vgetq_lane_f32(acc[cp], 2);
-        y[(2 * cp + 1) * ldy + r + 1] = vgetq_lane_f32(acc[cp], 3);
+      int64_t cp = 0;
+      for (; cp + 2 <= npair; cp += 2) {
+        const PackG32* x0 = X + cp * nb;
+        const PackG32* x1 = X + (cp + 1) * nb;
+        float32x4_t e0 = vdupq_n_f32(0.f), e1 = e0, o0 = e0, o1 = e0;  // even / odd blocks
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+          e0 = tile(P[b], x0[b], e0);
+          e1 = tile(P[b], x1[b], e1);
+          o0 = tile(P[b + 1], x0[b + 1], o0);
+          o1 = tile(P[b + 1], x1[b + 1], o1);
+        }
+        if (b < nb) {
+          e0 = tile(P[b], x0[b], e0);
+          e1 = tile(P[b], x1[b], e1);
+        }
+        store(cp, vaddq_f32(e0, o0));
+        store(cp + 1, vaddq_f32(e1, o1));
+      }
+      if (cp < npair) {
+        float32x4_t e0 = vdupq_n_f32(0.f);
+        for (int64_t b = 0; b < nb; ++b) e0 = tile(P[b], X[cp * nb + b], e0);
+        store(cp, e0);
       }
       if (ncols & 1) {
         y[(ncols - 1) * ldy + r] = odd0;

@@ -134,11 +134,18 @@ inline int32x4_t q8_0_dot(const uint8_t* p, const int8_t* x) {
   const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
   return dot16(dot16(vdupq_n_s32(0), vld1q_s8(q), vld1q_s8(x)), vld1q_s8(q + 16), vld1q_s8(x + 16));
 }
-inline float q8_0_scale(const uint8_t* p) { return h2f(quant::ld16(p)); }
+// The fp16 scales of four rows' blocks (ws bytes apart) as floats.
+inline float32x4_t q8_0_scale4(const uint8_t* p, size_t ws) {
+  uint16x4_t h = vld1_dup_u16(reinterpret_cast<const uint16_t*>(p));
+  h = vld1_lane_u16(reinterpret_cast<const uint16_t*>(p + ws), h, 1);
+  h = vld1_lane_u16(reinterpret_cast<const uint16_t*>(p + 2 * ws), h, 2);
+  h = vld1_lane_u16(reinterpret_cast<const uint16_t*>(p + 3 * ws), h, 3);
+  return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
 
 void matmul_q8_0(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
                  int64_t ncols, float* y, int64_t ldy) {
-  if (ncols == 1) return gemv32<sizeof(block_q8_0), q8_0_dot, q8_0_scale>(k, w, ws, r0, r1, xq, y);
+  if (ncols == 1) return gemv32<sizeof(block_q8_0), q8_0_dot, q8_0_scale4>(k, w, ws, r0, r1, xq, y);
   matmul_a32<decode_q8_0, sizeof(block_q8_0), false>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
