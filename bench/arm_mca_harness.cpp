@@ -59,8 +59,10 @@ extern "C" __attribute__((noinline)) void tf_mca_end() { __asm__ volatile("" :::
 
 namespace {
 
-constexpr int64_t kK = 2048;      // weights per row: 8 blocks of 256
-constexpr int kRows = 8, kCols = 32;  // decode: kRows x 1; prefill: kRows x kCols (a 32-token batch)
+// decode: 8 rows x 2048 weights x 1 column; prefill: 32 rows x 1024 weights x 32 columns (a
+// 32-token batch; the per-call activation packing is spread over 32 rows, still far fewer than
+// the rows one thread takes in a real layer).
+constexpr int kCols = 32;
 
 using OursFn = void (*)(int64_t, const void*, size_t, int64_t, int64_t, const void*, size_t, int64_t, float*, int64_t);
 using VecDotFn = void (*)(int, float*, size_t, const void*, size_t, const void*, size_t, int);
@@ -100,9 +102,9 @@ int main(int argc, char** argv) {
     if (fmt == x.name) f = &x;
   if (!f) return 2;
 
-  // 64 KiB each holds every case's rows and columns; 8 random bytes per step keeps the traced
+  // 256 KiB each holds every case's rows and columns; 8 random bytes per step keeps the traced
   // process short under qemu.
-  std::vector<uint64_t> w64(8192), a64(8192);
+  std::vector<uint64_t> w64(32768), a64(32768);
   uint64_t st = 0x9E3779B97F4A7C15ull;
   for (auto& v : w64) v = (st = st * 6364136223846793005ull + 1442695040888963407ull) ^ (st >> 29);
   for (auto& v : a64) v = ((st = st * 6364136223846793005ull + 1442695040888963407ull) >> 7) & 0x3F3F3F3F3F3F3F3Full;
@@ -112,6 +114,9 @@ int main(int argc, char** argv) {
     uint8_t* p;
     uint8_t* data() const { return p; }
   } w{wb}, a{ab};
+  const bool prefill = kind != "decode" && kind != "vec_dot" && kind != "gemv";
+  const int64_t kK = prefill ? 1024 : 2048;
+  const int kRows = prefill ? 32 : 8;
   std::vector<float> y(size_t(kRows) * kCols * 4);
   const size_t ws = size_t(kK / f->block) * f->block_bytes;
   const size_t xs = f->act256 ? size_t(kK / 256) * 320 : size_t(kK / 64) * 80;   // ours

@@ -9,6 +9,7 @@
 // result differs from the scalar reference only by float rounding order.
 #pragma once
 #include "backend/cpu/arm/neon_common.h"
+#include "quant/iq_layout.h"
 
 namespace tf::cpu::detail {
 namespace {
@@ -108,6 +109,62 @@ void gemv256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const 
   }
 }
 
+// fp16 fields at byte offset kOff of the blocks of four rows (ws bytes apart), as floats.
+template <int kOff>
+inline float32x4_t h4(const uint8_t* p, size_t ws) {
+  uint16x4_t h = vld1_dup_u16(reinterpret_cast<const uint16_t*>(p + kOff));
+  h = vld1_lane_u16(reinterpret_cast<const uint16_t*>(p + ws + kOff), h, 1);
+  h = vld1_lane_u16(reinterpret_cast<const uint16_t*>(p + 2 * ws + kOff), h, 2);
+  h = vld1_lane_u16(reinterpret_cast<const uint16_t*>(p + 3 * ws + kOff), h, 3);
+  return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+
+// Single-column product of 256-value blocks, four rows with their results in the lanes of one
+// vector: BlockInt(block, activation) gives a row's integer product lanes (tot: sum of
+// scale * q * x; msum: sum of min * activation sums, when kMin), reduced across the four rows
+// before one conversion; the block scales d (fp16 at kDOff, times 2^-kDShift) and dmin (fp16
+// at kDminOff) are loaded for the four rows at once. No horizontal sum per row and block.
+template <size_t kBytes, void (*BlockInt)(const uint8_t*, const ActK&, int32x4_t*, int32x4_t*), bool kMin,
+          int kDOff, int kDShift, int kDminOff = 0>
+void gemv256x4(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, float* y) {
+  const int64_t nb = k / 256;
+  const ActK* a = static_cast<const ActK*>(xq);
+  const uint8_t* W = static_cast<const uint8_t*>(w);
+  const float dscale = 1.0f / float(1 << kDShift);
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    const uint8_t* w0 = W + size_t(r) * ws;
+    float32x4_t acc = vdupq_n_f32(0.f);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = w0 + size_t(b) * kBytes;
+      int32x4_t t[4], m[4];
+      for (int i = 0; i < 4; ++i) {
+        __builtin_prefetch(p + size_t(i) * ws + 1024);
+        BlockInt(p + size_t(i) * ws, a[b], &t[i], &m[i]);
+      }
+      const float32x4_t d = vmulq_n_f32(h4<kDOff>(p, ws), a[b].d * dscale);
+      acc = vfmaq_f32(acc, vcvtq_f32_s32(sum4(t[0], t[1], t[2], t[3])), d);
+      if (kMin) {
+        const float32x4_t dm = vmulq_n_f32(h4<kDminOff>(p, ws), a[b].d);
+        acc = vfmsq_f32(acc, vcvtq_f32_s32(sum4(m[0], m[1], m[2], m[3])), dm);
+      }
+    }
+    vst1q_f32(y + r, acc);
+  }
+  for (; r < r1; ++r) {
+    const uint8_t* w0 = W + size_t(r) * ws;
+    float s0 = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = w0 + size_t(b) * kBytes;
+      int32x4_t t, m;
+      BlockInt(p, a[b], &t, &m);
+      s0 += h2f(quant::ld16(p + kDOff)) * dscale * a[b].d * float(vaddvq_s32(t));
+      if (kMin) s0 -= h2f(quant::ld16(p + kDminOff)) * a[b].d * float(vaddvq_s32(m));
+    }
+    y[r] = s0;
+  }
+}
+
 // The same for 32-value blocks (Q8_32 activations), four rows at a time: Dot32 gives a block's
 // integer product lanes, Scale4(block, row stride) the four rows' block scales as one vector.
 // The four rows' sums are reduced into the four lanes of one vector before the conversion to
@@ -125,10 +182,8 @@ void gemv32(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const v
     const auto block = [&](int64_t bb, float32x4_t acc) {
       const uint8_t* p = w0 + size_t(bb) * kBytes;
       const int8_t* x = a.qs + 32 * bb;
-      __builtin_prefetch(p + 1024);
-      __builtin_prefetch(p + ws + 1024);
-      __builtin_prefetch(p + 2 * ws + 1024);
-      __builtin_prefetch(p + 3 * ws + 1024);
+      // No software prefetch: four sequential row streams are what hardware prefetchers follow,
+      // and a PRFM per 17- or 34-byte block costs issue slots in this short loop.
       const int32x4_t s = sum4(Dot32(p, x), Dot32(p + ws, x), Dot32(p + 2 * ws, x), Dot32(p + 3 * ws, x));
       return vfmaq_f32(acc, vcvtq_f32_s32(s), vmulq_n_f32(Scale4(p, ws), a.d(bb)));
     };
@@ -190,27 +245,24 @@ struct PackK256 {
   float32x4_t xd;
 };
 
-// Sum over sub-blocks j of S[j] * (2x2 tile of sub-block j), for two column pairs at once (the
-// row operands are loaded once for both). kScale32: the scales come in equal pairs (one per 32
+// Sum over sub-blocks j of S[j] * (2x2 tile of sub-block j), for N column pairs at once (the
+// row operands are loaded once for all N). kScale32: the scales come in equal pairs (one per 32
 // values: Q4_K, the IQ formats), so 32 values share one multiply-add.
-template <bool kScale32>
-inline void tile256x2(const Pair256& p, const int8x16_t* X0, const int8x16_t* X1, int32x4_t* out0, int32x4_t* out1) {
+template <bool kScale32, int N>
+inline void tile256xn(const Pair256& p, const PackK256* const* X, int32x4_t* out) {
   const int32x4_t z = vdupq_n_s32(0);
-  int32x4_t s0[2] = {z, z}, s1[2] = {z, z};  // two chains per column pair
+  int32x4_t acc[N];
+  for (int c = 0; c < N; ++c) acc[c] = z;
   constexpr int step = kScale32 ? 2 : 1;
+#pragma GCC unroll 16
   for (int j = 0; j < 16; j += step) {
-    int32x4_t t0 = vmmlaq_s32(z, p.A[2 * j], X0[2 * j]);
-    int32x4_t t1 = vmmlaq_s32(z, p.A[2 * j], X1[2 * j]);
-    for (int i = 1; i < 2 * step; ++i) {
-      t0 = vmmlaq_s32(t0, p.A[2 * j + i], X0[2 * j + i]);
-      t1 = vmmlaq_s32(t1, p.A[2 * j + i], X1[2 * j + i]);
-    }
-    const int c = (j / step) & 1;
-    s0[c] = vmlaq_s32(s0[c], t0, p.S[j]);
-    s1[c] = vmlaq_s32(s1[c], t1, p.S[j]);
+    int32x4_t t[N];
+    for (int c = 0; c < N; ++c) t[c] = vmmlaq_s32(z, p.A[2 * j], X[c]->B[2 * j]);
+    for (int i = 1; i < 2 * step; ++i)
+      for (int c = 0; c < N; ++c) t[c] = vmmlaq_s32(t[c], p.A[2 * j + i], X[c]->B[2 * j + i]);
+    for (int c = 0; c < N; ++c) acc[c] = vmlaq_s32(acc[c], t[c], p.S[j]);
   }
-  *out0 = vaddq_s32(s0[0], s0[1]);
-  *out1 = vaddq_s32(s1[0], s1[1]);
+  for (int c = 0; c < N; ++c) out[c] = acc[c];
 }
 
 // Columns 2cp, 2cp+1 of every block packed for SMMLA: X[cp * nb + b].
@@ -288,16 +340,18 @@ void matmul_a256(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, co
           mn1 = vuzp1q_s16(vld1q_s16(u1.mn), vld1q_s16(u1.mn + 8));
         }
         int64_t cp = 0;
-        for (; cp + 2 <= npair; cp += 2) {
-          int32x4_t t0, t1;
-          tile256x2<kScale32>(p, X[cp * nb + b].B, X[(cp + 1) * nb + b].B, &t0, &t1);
-          finish(p, u0, u1, mn0, mn1, cp, b, t0);
-          finish(p, u0, u1, mn0, mn1, cp + 1, b, t1);
+        for (; cp + 2 <= npair; cp += 2) {  // two column pairs per load of the row operands
+          const PackK256* x2[2] = {&X[cp * nb + b], &X[(cp + 1) * nb + b]};
+          int32x4_t t[2];
+          tile256xn<kScale32, 2>(p, x2, t);
+          finish(p, u0, u1, mn0, mn1, cp, b, t[0]);
+          finish(p, u0, u1, mn0, mn1, cp + 1, b, t[1]);
         }
-        if (cp < npair) {
-          int32x4_t t0, t1;
-          tile256x2<kScale32>(p, X[cp * nb + b].B, X[cp * nb + b].B, &t0, &t1);
-          finish(p, u0, u1, mn0, mn1, cp, b, t0);
+        for (; cp < npair; ++cp) {
+          const PackK256* x1[1] = {&X[cp * nb + b]};
+          int32x4_t t[1];
+          tile256xn<kScale32, 1>(p, x1, t);
+          finish(p, u0, u1, mn0, mn1, cp, b, t[0]);
         }
         if (last) {
           odd0 += dot256<kMin>(u0, last[b]);
@@ -397,23 +451,33 @@ void matmul_a32(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, con
         }
       }
       int64_t cp = 0;
+      for (; cp + 4 <= npair; cp += 4) {  // four column pairs per load of the row operands
+        const PackG32* x0 = X + cp * nb;
+        const PackG32* x1 = X + (cp + 1) * nb;
+        const PackG32* x2 = X + (cp + 2) * nb;
+        const PackG32* x3 = X + (cp + 3) * nb;
+        float32x4_t a0 = vdupq_n_f32(0.f), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t b = 0; b < nb; ++b) {
+          a0 = tile(P[b], x0[b], a0);
+          a1 = tile(P[b], x1[b], a1);
+          a2 = tile(P[b], x2[b], a2);
+          a3 = tile(P[b], x3[b], a3);
+        }
+        store(cp, a0);
+        store(cp + 1, a1);
+        store(cp + 2, a2);
+        store(cp + 3, a3);
+      }
       for (; cp + 2 <= npair; cp += 2) {
         const PackG32* x0 = X + cp * nb;
         const PackG32* x1 = X + (cp + 1) * nb;
-        float32x4_t e0 = vdupq_n_f32(0.f), e1 = e0, o0 = e0, o1 = e0;  // even / odd blocks
-        int64_t b = 0;
-        for (; b + 2 <= nb; b += 2) {
-          e0 = tile(P[b], x0[b], e0);
-          e1 = tile(P[b], x1[b], e1);
-          o0 = tile(P[b + 1], x0[b + 1], o0);
-          o1 = tile(P[b + 1], x1[b + 1], o1);
-        }
-        if (b < nb) {
+        float32x4_t e0 = vdupq_n_f32(0.f), e1 = e0;
+        for (int64_t b = 0; b < nb; ++b) {
           e0 = tile(P[b], x0[b], e0);
           e1 = tile(P[b], x1[b], e1);
         }
-        store(cp, vaddq_f32(e0, o0));
-        store(cp + 1, vaddq_f32(e1, o1));
+        store(cp, e0);
+        store(cp + 1, e1);
       }
       if (cp < npair) {
         float32x4_t e0 = vdupq_n_f32(0.f);

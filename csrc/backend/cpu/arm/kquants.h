@@ -60,19 +60,20 @@ void decode_q4k(const uint8_t* p, ArmBlock256* u) {
   u->dmin = h2f(b->dmin);
 }
 
-// One Q4_K block against one activation block: the fused single-column inner loop.
-inline float q4k_block_dot(const uint8_t* blk, const ActK& a) {
+// One Q4_K block against one activation block, the integer part of the fused single-column
+// loop: tot lanes sum to sum(scale * q * x), msum lanes to sum(min * activation sums).
+inline void q4k_block_int(const uint8_t* blk, const ActK& a, int32x4_t* tot_out, int32x4_t* msum_out) {
   const auto* b = reinterpret_cast<const block_q4_K*>(blk);
   uint8x8_t sc8, mn8;
   q4k_scales_mins(b->scales, &sc8, &mn8);
-  // min term: mins (one per 32) times the 32-value activation sums
-  const int16x8_t bs = vpaddq_s16(vld1q_s16(a.bsums), vld1q_s16(a.bsums + 8));
+  const int16x8_t bs = vpaddq_s16(vld1q_s16(a.bsums), vld1q_s16(a.bsums + 8));  // 32-value sums
   const int16x8_t mn = vreinterpretq_s16_u16(vmovl_u8(mn8));
-  const int32x4_t msum = vmlal_high_s16(vmull_s16(vget_low_s16(bs), vget_low_s16(mn)), bs, mn);
+  *msum_out = vmlal_high_s16(vmull_s16(vget_low_s16(bs), vget_low_s16(mn)), bs, mn);
   const int16x8_t sc = vreinterpretq_s16_u16(vmovl_u8(sc8));
   const uint8x16_t m4 = vdupq_n_u8(0x0F);
   const int32x4_t z = vdupq_n_s32(0);
   int32x4_t p[8];
+#pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
     const uint8x16_t v0 = vld1q_u8(b->qs + 32 * i), v1 = vld1q_u8(b->qs + 32 * i + 16);
     const int8_t* x = a.qs + 64 * i;
@@ -81,14 +82,13 @@ inline float q4k_block_dot(const uint8_t* blk, const ActK& a) {
     p[2 * i + 1] = dot16(dot16(z, vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), vld1q_s8(x + 32)),
                          vreinterpretq_s8_u8(vshrq_n_u8(v1, 4)), vld1q_s8(x + 48));
   }
-  int32x4_t tot = vmulq_s32(sum4(p[0], p[1], p[2], p[3]), vmovl_s16(vget_low_s16(sc)));
-  tot = vmlaq_s32(tot, sum4(p[4], p[5], p[6], p[7]), vmovl_high_s16(sc));
-  return h2f(b->d) * a.d * float(vaddvq_s32(tot)) - h2f(b->dmin) * a.d * float(vaddvq_s32(msum));
+  const int32x4_t tot = vmulq_s32(sum4(p[0], p[1], p[2], p[3]), vmovl_s16(vget_low_s16(sc)));
+  *tot_out = vmlaq_s32(tot, sum4(p[4], p[5], p[6], p[7]), vmovl_high_s16(sc));
 }
 
 void matmul_q4k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
                 int64_t ncols, float* y, int64_t ldy) {
-  if (ncols == 1) return gemv256<sizeof(block_q4_K), q4k_block_dot>(k, w, ws, r0, r1, xq, y);
+  if (ncols == 1) return gemv256x4<sizeof(block_q4_K), q4k_block_int, true, 0, 0, 2>(k, w, ws, r0, r1, xq, y);
   matmul_a256<decode_q4k, sizeof(block_q4_K), true, true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
