@@ -7,9 +7,10 @@ Each ISA level runs on a qemu CPU model that has exactly that level, so runtime 
 exercised too: cortex-a72 (NEON only), neoverse-n1 (dotprod, no i8mm), max with 128-bit SVE
 (i8mm, SVE2).
 
-Default run: the kernel check (a ~40 s cross build of the kernel sources, then ~30 s under
-qemu). Marked slow: the whole-model forwards (the full core is cross-built first, several
-minutes on two cores) of SmolLM2 and a small MoE fixture, compared with the x86 forward.
+Default run: the kernel check (a ~40 s cross build of the kernel sources, then ~40 s under
+qemu for the three levels). Marked slow: the whole-model forwards (the full core is cross-built
+first, ~2 minutes on two cores) of SmolLM2 and a small MoE fixture, compared with the x86
+forward.
 
 Skips with the reason when cmake, g++-aarch64-linux-gnu or qemu-user is missing
 (Debian: apt-get install qemu-user g++-aarch64-linux-gnu; .ci/run installs them).
