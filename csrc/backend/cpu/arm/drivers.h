@@ -27,17 +27,9 @@ struct alignas(32) ArmBlock32 {
 };
 using ArmDecode32 = void (*)(const uint8_t* blk, ArmBlock32* u);
 
-// Adapters for the formats' reference decoders (formats/*.cpp decode_ref): no min.
+// Adapter for the formats' reference decoders (formats/*.cpp decode_ref): no min.
 template <void (*Ref)(const uint8_t*, Decoded256*)>
 void decode_ref256(const uint8_t* blk, ArmBlock256* u) { Ref(blk, &u->v); }
-template <void (*Ref)(const uint8_t*, Decoded32*)>
-void decode_ref32(const uint8_t* blk, ArmBlock32* u) {
-  Decoded32 t;
-  Ref(blk, &t);
-  std::memcpy(u->q, t.q, 32);
-  u->d = t.d;
-  u->m = 0.f;
-}
 
 // Sum over sub-blocks j of sc[j] * (q . x over sub-block j), for one block and one column.
 inline int32_t isum256(const int8_t* q, const int16_t* sc, const int8_t* x) {

@@ -35,11 +35,6 @@ constexpr detail::Decode32Fn decode_avx2 = decode_scalar;
 #endif
 }  // namespace
 
-#if defined(TF_HAVE_ARM_KERNELS)
-// The reference decoder, for the aarch64 drivers (backend/cpu/arm) of formats without a NEON one.
-void decode_ref(const uint8_t* b, detail::Decoded32* u) { decode_scalar(b, u); }
-#endif
-
 }  // namespace tf::cpu::iq4_nl
 
 TF_DECODED_KERNELS(iq4_nl, 32, kBytes, decode_scalar, decode_avx2, 127)
