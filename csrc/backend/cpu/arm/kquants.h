@@ -1,7 +1,7 @@
 // aarch64 kernels of the K-quants (Q2_K .. Q6_K), one build per ISA level (neon_common.h).
 // Q4_K and Q6_K have fused single-column kernels (token generation: the block is never
-// stored) and NEON block decoders for the multi-column drivers; Q2_K, Q3_K and Q5_K decode
-// through the scalar reference (k_scales / k_values) and share the drivers.
+// stored) and NEON block decoders for the multi-column drivers; Q5_K has a NEON decoder for
+// the shared drivers; Q2_K and Q3_K decode through the scalar reference (k_scales / k_values).
 #pragma once
 #include "backend/cpu/arm/drivers.h"
 #include "core/half.h"
@@ -52,6 +52,33 @@ void decode_q4k(const uint8_t* p, ArmBlock256* u) {
   uint8x8_t sc, mn;
   q4k_scales_mins(b->scales, &sc, &mn);
   const uint8x8x2_t s2 = vzip_u8(sc, sc), m2 = vzip_u8(mn, mn);  // one per 16 values
+  vst1q_s16(u->v.sc, vreinterpretq_s16_u16(vmovl_u8(s2.val[0])));
+  vst1q_s16(u->v.sc + 8, vreinterpretq_s16_u16(vmovl_u8(s2.val[1])));
+  vst1q_s16(u->mn, vreinterpretq_s16_u16(vmovl_u8(m2.val[0])));
+  vst1q_s16(u->mn + 8, vreinterpretq_s16_u16(vmovl_u8(m2.val[1])));
+  u->v.d = h2f(b->d);
+  u->dmin = h2f(b->dmin);
+}
+
+// Q5_K: Q4_K's nibbles and scales plus a fifth bit per value (qh[l] bit s for value l of
+// sub-block s, l < 32).
+void decode_q5k(const uint8_t* p, ArmBlock256* u) {
+  const auto* b = reinterpret_cast<const block_q5_K*>(p);
+  const uint8x16_t m4 = vdupq_n_u8(0x0F), b4 = vdupq_n_u8(0x10);
+  const uint8x16_t h0 = vld1q_u8(b->qh), h1 = vld1q_u8(b->qh + 16);
+  uint8_t* q = reinterpret_cast<uint8_t*>(u->v.q);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles) and 2i+1 (high nibbles)
+    const uint8x16_t v0 = vld1q_u8(b->qs + 32 * i), v1 = vld1q_u8(b->qs + 32 * i + 16);
+    const uint8x16_t lo_bit = vdupq_n_u8(uint8_t(1u << (2 * i))), hi_bit = vdupq_n_u8(uint8_t(2u << (2 * i)));
+    vst1q_u8(q + 64 * i, vorrq_u8(vandq_u8(v0, m4), vandq_u8(vtstq_u8(h0, lo_bit), b4)));
+    vst1q_u8(q + 64 * i + 16, vorrq_u8(vandq_u8(v1, m4), vandq_u8(vtstq_u8(h1, lo_bit), b4)));
+    vst1q_u8(q + 64 * i + 32, vorrq_u8(vshrq_n_u8(v0, 4), vandq_u8(vtstq_u8(h0, hi_bit), b4)));
+    vst1q_u8(q + 64 * i + 48, vorrq_u8(vshrq_n_u8(v1, 4), vandq_u8(vtstq_u8(h1, hi_bit), b4)));
+  }
+  uint8x8_t sc, mn;
+  q4k_scales_mins(b->scales, &sc, &mn);
+  const uint8x8x2_t s2 = vzip_u8(sc, sc), m2 = vzip_u8(mn, mn);
   vst1q_s16(u->v.sc, vreinterpretq_s16_u16(vmovl_u8(s2.val[0])));
   vst1q_s16(u->v.sc + 8, vreinterpretq_s16_u16(vmovl_u8(s2.val[1])));
   vst1q_s16(u->mn, vreinterpretq_s16_u16(vmovl_u8(m2.val[0])));
@@ -155,6 +182,11 @@ void matmul_q6k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, con
                 int64_t ncols, float* y, int64_t ldy) {
   if (ncols == 1) return gemv256<sizeof(block_q6_K), q6k_block_dot>(k, w, ws, r0, r1, xq, y);
   matmul_a256<decode_q6k, sizeof(block_q6_K), false>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+}
+
+void matmul_q5k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                int64_t ncols, float* y, int64_t ldy) {
+  matmul_a256<decode_q5k, sizeof(block_q5_K), true, true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
 template <GgmlType T>
