@@ -1,7 +1,7 @@
 // aarch64 kernels of the K-quants (Q2_K .. Q6_K), one build per ISA level (neon_common.h).
 // Q4_K and Q6_K have fused single-column kernels (token generation: the block is never
-// stored) and NEON block decoders for the multi-column drivers; Q5_K has a NEON decoder for
-// the shared drivers; Q2_K and Q3_K decode through the scalar reference (k_scales / k_values).
+// stored) and NEON block decoders for the multi-column drivers; Q2_K, Q3_K and Q5_K have NEON
+// block decoders for the shared drivers. The scalar reference is kernels_scalar.cpp's matmul_k.
 #pragma once
 #include "backend/cpu/arm/drivers.h"
 #include "core/half.h"
@@ -9,18 +9,6 @@
 
 namespace tf::cpu::detail {
 namespace {
-
-// Any K-quant through the scalar unpack: q in 0..63 with per-16 scales and mins.
-template <GgmlType T>
-void decode_k_ref(const uint8_t* blk, ArmBlock256* u) {
-  KUnpacked k;
-  k_scales(T, blk, &k);
-  k_values(T, blk, reinterpret_cast<uint8_t*>(u->v.q));
-  std::memcpy(u->v.sc, k.sc, sizeof(k.sc));
-  std::memcpy(u->mn, k.mn, sizeof(k.mn));
-  u->v.d = k.d;
-  u->dmin = k.dmin;
-}
 
 // ---- Q4_K -------------------------------------------------------------------------------
 
@@ -58,6 +46,62 @@ void decode_q4k(const uint8_t* p, ArmBlock256* u) {
   vst1q_s16(u->mn + 8, vreinterpretq_s16_u16(vmovl_u8(m2.val[1])));
   u->v.d = h2f(b->d);
   u->dmin = h2f(b->dmin);
+}
+
+// The 2-bit fields of a Q2_K / Q3_K block's qs: value 128h + 32j + l is bits 2j..2j+1 of
+// qs[32h + l]; out[8h + 2j + t] holds values 128h + 32j + 16t .. + 15.
+inline void k2_fields(const uint8_t* qs, uint8x16_t out[16]) {
+  const uint8x16_t m3 = vdupq_n_u8(3);
+  for (int h = 0; h < 2; ++h) {
+    const uint8x16_t v0 = vld1q_u8(qs + 32 * h), v1 = vld1q_u8(qs + 32 * h + 16);
+    out[8 * h + 0] = vandq_u8(v0, m3);
+    out[8 * h + 1] = vandq_u8(v1, m3);
+    out[8 * h + 2] = vandq_u8(vshrq_n_u8(v0, 2), m3);
+    out[8 * h + 3] = vandq_u8(vshrq_n_u8(v1, 2), m3);
+    out[8 * h + 4] = vandq_u8(vshrq_n_u8(v0, 4), m3);
+    out[8 * h + 5] = vandq_u8(vshrq_n_u8(v1, 4), m3);
+    out[8 * h + 6] = vshrq_n_u8(v0, 6);
+    out[8 * h + 7] = vshrq_n_u8(v1, 6);
+  }
+}
+
+// Q2_K: q in 0..3 with a 4-bit scale and a 4-bit min per 16 values.
+void decode_q2k(const uint8_t* p, ArmBlock256* u) {
+  const auto* b = reinterpret_cast<const block_q2_K*>(p);
+  uint8x16_t f[16];
+  k2_fields(b->qs, f);
+  for (int i = 0; i < 16; ++i) vst1q_u8(reinterpret_cast<uint8_t*>(u->v.q) + 16 * i, f[i]);
+  const uint8x16_t s = vld1q_u8(b->scales);
+  const uint8x16_t sc = vandq_u8(s, vdupq_n_u8(0x0F)), mn = vshrq_n_u8(s, 4);
+  vst1q_s16(u->v.sc, vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(sc))));
+  vst1q_s16(u->v.sc + 8, vreinterpretq_s16_u16(vmovl_high_u8(sc)));
+  vst1q_s16(u->mn, vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(mn))));
+  vst1q_s16(u->mn + 8, vreinterpretq_s16_u16(vmovl_high_u8(mn)));
+  u->v.d = h2f(b->d);
+  u->dmin = h2f(b->dmin);
+}
+
+// Q3_K: the 2-bit field plus a third bit from hmask (bit 4h + j of hmask[l] for value
+// 128h + 32j + l), stored signed (q - 4) with the 6-bit signed scales: no min term.
+void decode_q3k(const uint8_t* p, ArmBlock256* u) {
+  const auto* b = reinterpret_cast<const block_q3_K*>(p);
+  uint8x16_t f[16];
+  k2_fields(b->qs, f);
+  const uint8x16_t h0 = vld1q_u8(b->hmask), h1 = vld1q_u8(b->hmask + 16);
+  const uint8x16_t b2 = vdupq_n_u8(4);
+  for (int h = 0; h < 2; ++h)
+    for (int j = 0; j < 4; ++j) {
+      const uint8x16_t bit = vdupq_n_u8(uint8_t(1u << (4 * h + j)));
+      for (int t = 0; t < 2; ++t) {
+        const uint8x16_t hb = vandq_u8(vtstq_u8(t ? h1 : h0, bit), b2);
+        const int i = 8 * h + 2 * j + t;
+        vst1q_s8(u->v.q + 16 * i, vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(f[i], hb)), vdupq_n_s8(4)));
+      }
+    }
+  KUnpacked k;
+  k_scales(GgmlType::Q3_K, p, &k);  // the 12-byte 6-bit scale packing: scalar, once per block
+  std::memcpy(u->v.sc, k.sc, sizeof(k.sc));
+  u->v.d = k.d;
 }
 
 // Q5_K: Q4_K's nibbles and scales plus a fifth bit per value (qh[l] bit s for value l of
@@ -184,16 +228,21 @@ void matmul_q6k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, con
   matmul_a256<decode_q6k, sizeof(block_q6_K), false>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
+void matmul_q2k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                int64_t ncols, float* y, int64_t ldy) {
+  matmul_a256<decode_q2k, sizeof(block_q2_K), true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+}
+
+void matmul_q3k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                int64_t ncols, float* y, int64_t ldy) {
+  matmul_a256<decode_q3k, sizeof(block_q3_K), false>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
+}
+
 void matmul_q5k(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
                 int64_t ncols, float* y, int64_t ldy) {
   matmul_a256<decode_q5k, sizeof(block_q5_K), true, true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
 }
 
-template <GgmlType T>
-void matmul_k_generic(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
-                      int64_t ncols, float* y, int64_t ldy) {
-  matmul_a256<decode_k_ref<T>, block_bytes<T>(), true>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
-}
 
 }  // namespace
 }  // namespace tf::cpu::detail
