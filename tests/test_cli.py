@@ -103,8 +103,9 @@ def test_version():
 
     r = run_cli("--version")
     assert r.returncode == 0
-    assert r.stdout == f"tensorfold {tensorfold.__version__} ({tensorfold._core.cpu_isa()})\n"
-    assert re.fullmatch(r"tensorfold \d+\.\d+\.\d+ \((avx512|avx2|scalar)\)\n", r.stdout)
+    extra = tensorfold._core.capabilities().get("cpu_features", "")  # e.g. "sve2/128" on aarch64
+    assert r.stdout == f"tensorfold {tensorfold.__version__} ({tensorfold._core.cpu_isa()}{', ' + extra if extra else ''})\n"
+    assert re.fullmatch(r"tensorfold \d+\.\d+\.\d+ \((avx512|avx2|i8mm|dotprod|neon|scalar)(, sve2/\d+)?\)\n", r.stdout)
 
 
 def _walk(parser, path=("tensorfold",)):

@@ -30,11 +30,13 @@ void bind_core(py::module_& m) {
           caps["logprobs"] = true;  // add_request(top_logprobs=...), step() tuples with (logprob, top)
           caps["backends"] = backends;
           caps["isa"] = isa_name(best_isa());
+          caps["cpu_features"] = cpu_feature_note();  // e.g. "sve2/128" on aarch64; "" when none
           caps["ibverbs"] = comm::built_with_ibverbs();
           return caps;
         },
         "what this build can do, for the Python layer to ask rather than guess: logprobs (bool), "
-        "backends (list), isa (the CPU kernels' ISA), ibverbs (bool)");
+        "backends (list), isa (the CPU kernels' ISA), cpu_features (extra CPU features, e.g. sve2/128), "
+        "ibverbs (bool)");
 
   py::class_<ThreadPool>(m, "ThreadPool",
                          "The engine's worker pool. Python callbacks run with the GIL held, so this "

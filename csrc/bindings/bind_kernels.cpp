@@ -39,10 +39,8 @@ namespace {
 CpuIsa parse_impl(const std::string& impl) {
   CpuIsa isa;
   if (impl == "auto") isa = best_isa();
-  else if (impl == "scalar") isa = CpuIsa::Scalar;
-  else if (impl == "avx2") isa = CpuIsa::Avx2;
-  else if (impl == "avx512") isa = CpuIsa::Avx512;
-  else fail(ErrorKind::InvalidInput, "impl must be auto, scalar, avx2 or avx512, got '", impl, "'");
+  else if (!parse_isa(impl.c_str(), &isa))
+    fail(ErrorKind::InvalidInput, "impl must be auto, scalar, avx2, avx512, neon, dotprod or i8mm, got '", impl, "'");
   TF_CHECK(cpu::detail::isa_available(isa), "this CPU (or build) lacks the ISA '", impl, "'");
   return isa;
 }

@@ -12,6 +12,13 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#include <sys/prctl.h>
+#endif
+#if defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
 
 namespace tf {
 
@@ -42,6 +49,26 @@ CpuFeatures detect() {
   }
   f.fma = f.fma && os_avx;
   f.f16c = f.f16c && os_avx;
+#elif defined(__aarch64__) && defined(__linux__)
+  // Bit numbers from the kernel's uapi asm/hwcap.h (spelled out: older headers lack some).
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  f.asimd = hw & (1ul << 1);
+  f.asimddp = f.asimd && (hw & (1ul << 20));
+  f.i8mm = f.asimddp && (hw2 & (1ul << 13));
+  f.sve2 = (hw & (1ul << 22)) && (hw2 & (1ul << 1));
+  if (hw & (1ul << 22)) {
+    const int vl = prctl(51 /* PR_SVE_GET_VL */);
+    if (vl > 0) f.sve_bits = (vl & 0xffff) * 8;
+  }
+#elif defined(__aarch64__) && defined(__APPLE__)
+  auto has = [](const char* name) {
+    int v = 0;
+    size_t n = sizeof(v);
+    return sysctlbyname(name, &v, &n, nullptr, 0) == 0 && v != 0;
+  };
+  f.asimd = true;  // every Apple Silicon core
+  f.asimddp = has("hw.optional.arm.FEAT_DotProd");
+  f.i8mm = f.asimddp && has("hw.optional.arm.FEAT_I8MM");
 #endif
   return f;
 }
@@ -60,14 +87,18 @@ CpuIsa best_isa() {
     if (f.avx2 && f.fma && f.f16c) best = CpuIsa::Avx2;
     if (best == CpuIsa::Avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni)
       best = CpuIsa::Avx512;
+#elif defined(TF_HAVE_ARM_KERNELS)
+    if (f.asimd) best = CpuIsa::Neon;
+    if (f.asimddp) best = CpuIsa::Dotprod;
+    if (f.i8mm) best = CpuIsa::I8mm;
 #else
     (void)f;
 #endif
-    if (const char* cap = std::getenv("TENSORFOLD_ISA")) {
-      CpuIsa want = best;
-      if (!std::strcmp(cap, "scalar")) want = CpuIsa::Scalar;
-      else if (!std::strcmp(cap, "avx2")) want = CpuIsa::Avx2;
-      else if (!std::strcmp(cap, "avx512")) want = CpuIsa::Avx512;
+    CpuIsa want;
+    if (const char* cap = std::getenv("TENSORFOLD_ISA"); cap && parse_isa(cap, &want)) {
+      // A cap only lowers within this build's family (an x86 name means scalar on arm64).
+      const bool same_family = (want >= CpuIsa::Neon) == (best >= CpuIsa::Neon);
+      if (!same_family) want = CpuIsa::Scalar;
       if (int(want) < int(best)) best = want;
     }
     return best;
@@ -79,8 +110,26 @@ const char* isa_name(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::Avx512: return "avx512";
     case CpuIsa::Avx2: return "avx2";
+    case CpuIsa::Neon: return "neon";
+    case CpuIsa::Dotprod: return "dotprod";
+    case CpuIsa::I8mm: return "i8mm";
     default: return "scalar";
   }
+}
+
+bool parse_isa(const char* name, CpuIsa* out) {
+  for (CpuIsa isa : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512, CpuIsa::Neon, CpuIsa::Dotprod, CpuIsa::I8mm})
+    if (!std::strcmp(name, isa_name(isa))) {
+      *out = isa;
+      return true;
+    }
+  return false;
+}
+
+std::string cpu_feature_note() {
+  const CpuFeatures& f = cpu_features();
+  if (f.sve2 && f.sve_bits > 0) return "sve2/" + std::to_string(f.sve_bits);
+  return {};
 }
 
 namespace {

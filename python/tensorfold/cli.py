@@ -627,7 +627,9 @@ def _version() -> str:
     from . import __version__, _core
 
     isa = getattr(_core, "cpu_isa", None)
-    return f"tensorfold {__version__}" + (f" ({isa()})" if isa else "")
+    caps = getattr(_core, "capabilities", None)
+    extra = (caps() or {}).get("cpu_features", "") if caps else ""  # e.g. "sve2/128" on aarch64
+    return f"tensorfold {__version__}" + (f" ({isa()}{', ' + extra if extra else ''})" if isa else "")
 
 
 def _fill(text: str) -> str:

@@ -636,18 +636,16 @@ void CpuBackend::attention(const AttentionBatch& a, const KvLayer& kv) {
 
 std::unique_ptr<Backend> make_cpu_backend(int threads, const std::string& variant) {
   CpuIsa isa = best_isa();
-  if (variant == "scalar") isa = CpuIsa::Scalar;
-  else if (variant == "avx2") isa = CpuIsa::Avx2;
-  else if (variant == "avx512") isa = CpuIsa::Avx512;
-  else if (!variant.empty())
-    fail(ErrorKind::InvalidInput, "unknown instruction set '", variant, "' for backend 'cpu' (expected scalar, avx2 or avx512)");
+  if (!variant.empty() && !parse_isa(variant.c_str(), &isa))
+    fail(ErrorKind::InvalidInput, "unknown instruction set '", variant,
+         "' for backend 'cpu' (expected scalar, avx2, avx512, neon, dotprod or i8mm)");
   TF_CHECK(cpu::detail::isa_available(isa), "cpu backend: this CPU (or build) lacks ", isa_name(isa));
   return std::make_unique<CpuBackend>(std::max(1, threads), isa);
 }
 
 std::vector<std::string> cpu_backend_variants() {
   std::vector<std::string> out;
-  for (CpuIsa isa : {CpuIsa::Avx512, CpuIsa::Avx2, CpuIsa::Scalar})
+  for (CpuIsa isa : {CpuIsa::Avx512, CpuIsa::Avx2, CpuIsa::I8mm, CpuIsa::Dotprod, CpuIsa::Neon, CpuIsa::Scalar})
     if (cpu::detail::isa_available(isa)) out.push_back(isa_name(isa));
   return out;
 }

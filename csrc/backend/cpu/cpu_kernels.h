@@ -20,6 +20,9 @@ struct CpuKernels {
   MatmulFn scalar = nullptr;  // nullptr: no kernels, the format cannot be computed with
   MatmulFn avx2 = nullptr;    // nullptr: falls back to scalar
   MatmulFn avx512 = nullptr;  // nullptr: falls back to avx2
+  MatmulFn neon = nullptr;    // aarch64 levels; nullptr: falls back to the level below
+  MatmulFn dotprod = nullptr;
+  MatmulFn i8mm = nullptr;
 };
 
 }  // namespace tf::cpu

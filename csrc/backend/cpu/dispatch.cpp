@@ -26,7 +26,10 @@ const CpuKernels& checked(GgmlType wt, int64_t k) {
 
 MatmulFn fn_for(CpuIsa isa, const CpuKernels& kern) {
   if (isa == CpuIsa::Avx512 && kern.avx512) return kern.avx512;
-  if (isa >= CpuIsa::Avx2 && kern.avx2) return kern.avx2;
+  if ((isa == CpuIsa::Avx512 || isa == CpuIsa::Avx2) && kern.avx2) return kern.avx2;
+  if (isa == CpuIsa::I8mm && kern.i8mm) return kern.i8mm;
+  if ((isa == CpuIsa::I8mm || isa == CpuIsa::Dotprod) && kern.dotprod) return kern.dotprod;
+  if (isa >= CpuIsa::Neon && kern.neon) return kern.neon;
   return kern.scalar;
 }
 
@@ -34,6 +37,8 @@ void quant_for(CpuIsa isa, ActKind kind, const float* x, void* xq, int64_t k) {
 #if defined(TF_HAVE_X86_KERNELS)
   if (isa == CpuIsa::Avx512) return detail::quantize_avx512(kind, x, xq, k);
   if (isa == CpuIsa::Avx2) return detail::quantize_avx2(kind, x, xq, k);
+#elif defined(TF_HAVE_ARM_KERNELS)
+  if (isa >= CpuIsa::Neon) return detail::quantize_neon(kind, x, xq, k);
 #else
   (void)isa;
 #endif
@@ -90,7 +95,14 @@ bool isa_available(CpuIsa isa) {
   const CpuFeatures& f = cpu_features();
   const bool avx2 = f.avx2 && f.fma && f.f16c;
   if (isa == CpuIsa::Avx2) return avx2;
-  return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni;
+  if (isa == CpuIsa::Avx512) return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512vnni;
+  return false;
+#elif defined(TF_HAVE_ARM_KERNELS)
+  const CpuFeatures& f = cpu_features();
+  if (isa == CpuIsa::Neon) return f.asimd;
+  if (isa == CpuIsa::Dotprod) return f.asimddp;
+  if (isa == CpuIsa::I8mm) return f.i8mm;
+  return false;
 #else
   return false;
 #endif

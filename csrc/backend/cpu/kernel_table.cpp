@@ -1,5 +1,6 @@
 // One row per format the CPU computes with; the kernels live in backend/cpu/formats/*.cpp
-// (IQ/TQ/MXFP4) and kernels_{scalar,avx2,avx512}.cpp (float, legacy, K-quants).
+// (IQ/TQ/MXFP4) and kernels_{scalar,avx2,avx512}.cpp (float, legacy, K-quants); the aarch64
+// kernels in backend/cpu/arm (one header per format, built once per ISA level).
 #include "backend/cpu/kernel_table.h"
 
 #include "core/dtype.h"
@@ -10,6 +11,9 @@
   void scalar(TF_KERNEL_PARAMS);  \
   void avx2(TF_KERNEL_PARAMS);    \
   void avx512(TF_KERNEL_PARAMS);  \
+  void neon(TF_KERNEL_PARAMS);    \
+  void dotprod(TF_KERNEL_PARAMS); \
+  void i8mm(TF_KERNEL_PARAMS);    \
   }
 
 TF_DECLARE_KERNELS(f32)
@@ -43,6 +47,9 @@ namespace {
 
 #if defined(TF_HAVE_X86_KERNELS)
 #define TF_ROW(type, layout, ns) {GgmlType::type, {ActLayout::layout, ns::scalar, ns::avx2, ns::avx512}}
+#elif defined(TF_HAVE_ARM_KERNELS)
+#define TF_ROW(type, layout, ns) \
+  {GgmlType::type, {ActLayout::layout, ns::scalar, nullptr, nullptr, ns::neon, ns::dotprod, ns::i8mm}}
 #else
 #define TF_ROW(type, layout, ns) {GgmlType::type, {ActLayout::layout, ns::scalar, nullptr, nullptr}}
 #endif

@@ -83,6 +83,7 @@ void quantize_row_with(ActKind kind, const float* x, void* xq, int64_t k, QuantB
 void quantize_scalar(ActKind kind, const float* x, void* xq, int64_t k);
 void quantize_avx2(ActKind kind, const float* x, void* xq, int64_t k);
 void quantize_avx512(ActKind kind, const float* x, void* xq, int64_t k);
+void quantize_neon(ActKind kind, const float* x, void* xq, int64_t k);
 
 // Explicit-ISA entry points (tests / benchmarks). Throw tf::Error(InvalidInput) when the CPU
 // (or this build) lacks the ISA or the format is not supported.

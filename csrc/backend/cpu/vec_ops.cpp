@@ -12,6 +12,9 @@ namespace tf::cpu {
 const VecOps* vec_ops_avx512_table();  // vec_ops_avx512.cpp
 const VecOps* vec_ops_avx2_table();    // vec_ops_avx2.cpp
 #endif
+#if defined(TF_HAVE_ARM_KERNELS)
+const VecOps* vec_ops_neon_table();    // arm/vec_ops_neon.cpp
+#endif
 
 namespace {
 
@@ -98,6 +101,17 @@ const VecOps& vec_ops_for(CpuIsa isa) {
     return merged;
   }
   if (isa == CpuIsa::Avx2) return *vec_ops_avx2_table();
+#elif defined(TF_HAVE_ARM_KERNELS)
+  // Every aarch64 level shares the NEON table; its empty entries are the scalar ones.
+  if (isa >= CpuIsa::Neon) {
+    static const VecOps merged = [] {
+      VecOps m = *vec_ops_neon_table();
+      if (!m.exp_sub_sum) m.exp_sub_sum = kScalar.exp_sub_sum;
+      if (!m.silu_mul) m.silu_mul = kScalar.silu_mul;
+      return m;
+    }();
+    return merged;
+  }
 #else
   (void)isa;
 #endif

@@ -86,6 +86,11 @@ constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
 #endif
 }  // namespace
 
+#if defined(TF_HAVE_ARM_KERNELS)
+// The reference decoder, for the aarch64 drivers (backend/cpu/arm) of formats without a NEON one.
+void decode_ref(const uint8_t* b, detail::Decoded256* u) { decode_scalar(b, u); }
+#endif
+
 #if defined(TF_HAVE_X86_KERNELS)
 namespace {
 // Few columns (decode): a fused kernel, since decoding is the cost there. The shift sign

@@ -131,6 +131,11 @@ struct Block {
 #endif
 }  // namespace
 
+#if defined(TF_HAVE_ARM_KERNELS)
+// The reference decoder, for the aarch64 drivers (backend/cpu/arm) of formats without a NEON one.
+void decode_ref(const uint8_t* b, detail::Decoded256* u) { decode_scalar(b, u); }
+#endif
+
 }  // namespace tf::cpu::iq2_xs
 
 TF_FUSED_DECODED_KERNELS(iq2_xs, kBytes, decode_scalar, decode_avx2, Block, 0.125f, 43)

@@ -88,6 +88,11 @@ constexpr detail::Decode256Fn decode_avx2 = decode_scalar;
 #endif
 }  // namespace
 
+#if defined(TF_HAVE_ARM_KERNELS)
+// The reference decoder, for the aarch64 drivers (backend/cpu/arm) of formats without a NEON one.
+void decode_ref(const uint8_t* b, detail::Decoded256* u) { decode_scalar(b, u); }
+#endif
+
 }  // namespace tf::cpu::iq3_s
 
 TF_FUSED_DECODED_KERNELS(iq3_s, kBytes, decode_scalar, decode_avx2, Block, 1.0f, 15)

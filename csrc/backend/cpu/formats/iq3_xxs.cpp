@@ -143,6 +143,11 @@ struct Block {
 #endif
 }  // namespace
 
+#if defined(TF_HAVE_ARM_KERNELS)
+// The reference decoder, for the aarch64 drivers (backend/cpu/arm) of formats without a NEON one.
+void decode_ref(const uint8_t* b, detail::Decoded256* u) { decode_scalar(b, u); }
+#endif
+
 }  // namespace tf::cpu::iq3_xxs
 
 TF_FUSED_DECODED_KERNELS(iq3_xxs, kBytes, decode_scalar, decode_avx2, Block, 0.25f, 62)

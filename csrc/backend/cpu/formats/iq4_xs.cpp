@@ -139,6 +139,11 @@ TF_TARGET_AVX2 void matmul_avx2(TF_MATMUL_PARAMS) {
 #endif
 }  // namespace
 
+#if defined(TF_HAVE_ARM_KERNELS)
+// The reference decoder, for the aarch64 drivers (backend/cpu/arm) of formats without a NEON one.
+void decode_ref(const uint8_t* b, detail::Decoded256* u) { decode_scalar(b, u); }
+#endif
+
 void scalar(TF_MATMUL_PARAMS) { detail::matmul_d256_scalar<decode_scalar, kBytes>(TF_MATMUL_ARGS); }
 #if defined(TF_HAVE_X86_KERNELS)
 TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) { matmul_avx2(TF_MATMUL_ARGS); }

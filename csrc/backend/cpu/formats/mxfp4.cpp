@@ -92,6 +92,11 @@ TF_TARGET_AVX2 void matmul_avx2(TF_MATMUL_PARAMS) {
 #endif
 }  // namespace
 
+#if defined(TF_HAVE_ARM_KERNELS)
+// The reference decoder, for the aarch64 drivers (backend/cpu/arm) of formats without a NEON one.
+void decode_ref(const uint8_t* b, detail::Decoded32* u) { decode_scalar(b, u); }
+#endif
+
 }  // namespace tf::cpu::mxfp4
 
 namespace tf::cpu::mxfp4 {
