@@ -236,9 +236,11 @@ def describe_difference(eng, ref: list[int], got: list[int]) -> str:
     return f"first difference at generated token {i}: without speculation {tok(ref)}, with {tok(got)}"
 
 
-def _drive(eng, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+def _drive(eng, prompts: list[list[int]], max_tokens: int, track_draft: bool = False) -> list[dict]:
     """Submits one greedy request per prompt, steps the engine until all finish; per request its
-    tokens and the time of each (as its step returned)."""
+    tokens and the time of each (as its step returned). track_draft (one request): also the
+    draft model's seconds in the first step it ran after the first token, where it reads the
+    prompt (Engine.stats() "draft_seconds" before and after each step)."""
     from tensorfold import native
     from tensorfold.request import check_sampling
 
@@ -249,15 +251,25 @@ def _drive(eng, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     for p in prompts:
         rid = native.add_request(core, p, sampling, max_tokens=max_tokens, eog_ids=eog)
         reqs[rid] = {"tokens": [], "times": [], "t_submit": time.perf_counter()}
+    first_draft = None
+    draft_s = core.stats().get("draft_seconds", 0.0) if track_draft else 0.0
     while core.has_unfinished():
         events = native.step(core)
         t = time.perf_counter()
+        if track_draft and first_draft is None:
+            now = core.stats().get("draft_seconds", 0.0)
+            if now > draft_s and any(r["tokens"] for r in reqs.values()):
+                first_draft = now - draft_s
+            draft_s = now
         for ev in events:
             r = reqs.get(ev.request_id)
             if r is not None and ev.token >= 0:
                 r["tokens"].append(ev.token)
                 r["times"].append(t)
-    return list(reqs.values())
+    out = list(reqs.values())
+    if track_draft:
+        out[0]["first_draft_s"] = first_draft or 0.0
+    return out
 
 
 def _decode_rate(r: dict) -> float:
@@ -329,10 +341,14 @@ def measure_tensorfold(files: dict, a, source: str, prompt_texts: dict) -> dict:
                 r["warning"] = "Engine.stats() has no spec_drafted / spec_accepted"
                 say(f"  warning: {r['warning']}")
             before = _spec_counters(eng)
-            rates, drive_tokens, gaps = [], [], []
+            rates, drive_tokens, gaps, rates_pf = [], [], [], []
             for _ in range(a.reps):
-                res = _drive(eng, [ids], a.max_tokens)[0]
+                res = _drive(eng, [ids], a.max_tokens, track_draft=source == "draft")[0]
                 rates.append(_decode_rate(res))
+                if "first_draft_s" in res:  # the draft model's reading of the prompt counted as prefill
+                    n_first = sum(1 for t in res["times"] if t == res["times"][0])
+                    rates_pf.append((len(res["times"]) - n_first)
+                                    / (res["times"][-1] - res["times"][0] - res["first_draft_s"]))
                 drive_tokens.append(res["tokens"])
                 gaps.append(max((y - x for x, y in zip(res["times"], res["times"][1:])), default=0.0))
             acc, drafted, accepted = _acceptance(before, _spec_counters(eng))
@@ -340,6 +356,7 @@ def measure_tensorfold(files: dict, a, source: str, prompt_texts: dict) -> dict:
                      acceptance=acc, drafted=drafted, accepted=accepted,
                      drafted_per_token=(drafted / (a.reps * a.max_tokens) if drafted is not None else None),
                      drive_tokens=drive_tokens[0], max_gap_ms=1e3 * max(gaps),
+                     tps_draft_prompt_as_prefill=statistics.mean(rates_pf) if rates_pf else None,
                      drive_consistent=all(t == drive_tokens[0] for t in drive_tokens))
             st = eng.stats()
             r["stats"] = {k: st[k] for k in ("spec_verifies", "spec_drafted", "spec_accepted", "draft_seconds",
@@ -532,6 +549,13 @@ def report(a, files, tf, ll, sources, dram, prompt, load0, load1, llama_ver, det
                 f"{fmt(ratio, '.2f') + ('x' if ratio else ' '):>10}")
             rows.append({"source": s, "engine": eng_name, "tps": tps, "acceptance": r.get("acceptance"),
                          "speedup_vs_none": speed, "tf_over_llama": ratio, "error": r.get("error")})
+    if tf and tf.get("draft", {}).get("tps_draft_prompt_as_prefill"):
+        x = tf["draft"]["tps_draft_prompt_as_prefill"]
+        lx = (ll or {}).get("draft", {}).get("tps")
+        say(f"TensorFold draft, with the draft model's reading of the prompt (its first step) counted as "
+            f"prefill, as llama.cpp counts it: {x:.1f} tok/s"
+            + (f" ({x / tf['none']['tps']:.2f}x own none" if tf.get("none", {}).get("tps") else "")
+            + (f", {x / lx:.2f}x llama.cpp)" if lx else ")"))
     if tf:
         say("TensorFold, longest time between two tokens of one stream (1 stream, worst rep): "
             + ", ".join(f"{s} {fmt(tf.get(s, {}).get('max_gap_ms'), '.0f')} ms" for s in sources))
