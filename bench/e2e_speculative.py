@@ -53,6 +53,8 @@ Checks (not bars): TensorFold's greedy tokens with each source equal its tokens 
 speculation, single stream (through Engine.generate, the public API) and every stream of every
 batch; on a difference the first differing position and tokens are printed. The agreement of
 llama.cpp's greedy tokens with TensorFold's is printed as information.
+llama-server runs with OMP_WAIT_POLICY=PASSIVE unless --llama-wait-policy says otherwise (its
+OpenMP threads otherwise spin, which on 2 cores shared with other processes costs it up to 10x).
 Also printed: the DRAM read bandwidth in the same run (bench/_common.py's probe), the load
 average before and after (the hosts are shared), the CPU model and llama.cpp's build.
 
@@ -153,9 +155,11 @@ def _run_logged(cmd: list[str], log_path: str, env: dict | None = None) -> None:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({r.returncode}); end of {log_path}:\n{tail}")
 
 
-def llama_env(llama_bin: str) -> dict:
+def llama_env(llama_bin: str, wait_policy: str = "default") -> dict:
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.path.abspath(llama_bin) + ":" + env.get("LD_LIBRARY_PATH", "")
+    if wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = wait_policy.upper()
     return env
 
 
@@ -464,7 +468,7 @@ def llama_argv(source: str, files: dict, a, port: int) -> list[str]:
 
 def measure_llama(files: dict, a, source: str, prompt: dict, meta: dict) -> dict:
     """One source: llama-server started for it, a warm-up request, then --reps timed requests."""
-    env = llama_env(a.llama_bin)
+    env = llama_env(a.llama_bin, a.llama_wait_policy)
     body = {"prompt": prompt["ids"], "n_predict": a.max_tokens, "temperature": 0.0, "top_k": 1,
             "ignore_eos": True, "cache_prompt": False, "return_tokens": True, "stream": False}
     say(f"llama.cpp, source {source}:")
@@ -523,7 +527,7 @@ def report(a, files, tf, ll, sources, dram, prompt, load0, load1, llama_ver, det
     say(f"CPU {cpu_model()}, DRAM read bandwidth {dram:.1f} GB/s (bench/_common.py probe, {a.threads} threads); "
         f"load average {load0} before, {load1} after")
     if llama_ver:
-        say(f"llama.cpp: {llama_ver}")
+        say(f"llama.cpp: {llama_ver}; llama-server OMP_WAIT_POLICY: {a.llama_wait_policy}")
     say("")
     hdr = f"{'source':<8}{'engine':<12}{'decode tok/s':>16}{'acceptance':>12}{'drafted/tok':>13}" \
           f"{'vs own none':>13}{'TF/llama':>10}"
@@ -642,6 +646,7 @@ def report(a, files, tf, ll, sources, dram, prompt, load0, load1, llama_ver, det
                 m.pop("tokens", None)
     summary = {"files": files, "threads": a.threads, "max_tokens": a.max_tokens, "stream_tokens": a.stream_tokens,
                "reps": a.reps, "draft_max": a.draft_max, "fixed_draft": a.fixed_draft, "lookup_ngram": a.lookup_ngram,
+               "llama_wait_policy": a.llama_wait_policy,
                "prompt_tokens": len(prompt["ids"]), "dram_gbs": dram, "cpu": cpu_model(),
                "loadavg_before": load0, "loadavg_after": load1, "llama_cpp": llama_ver,
                "llama_tokenize_match": meta.get("tokenize_match"),
@@ -675,6 +680,11 @@ def main() -> int:
     ap.add_argument("--lookup-ngram", type=int, default=3,
                     help="llama.cpp ngram-simple lookup length (--spec-ngram-simple-size-n; default 3; "
                          "must be <= --draft-max)")
+    ap.add_argument("--llama-wait-policy", choices=("passive", "active", "default"), default="passive",
+                    help="OMP_WAIT_POLICY of llama-server (an OpenMP build): passive (default) lets its idle "
+                         "threads sleep, as TensorFold's do; spinning threads on 2 cores shared with other "
+                         "processes slow llama.cpp down up to 10x (37 -> 71 tok/s with passive at load 2 seen). "
+                         "default: leave the environment as it is")
     ap.add_argument("--ctx", type=int, default=4096, help="context of both engines (default 4096)")
     ap.add_argument("--sources", default="none,lookup,draft", help="comma list of none, lookup, draft")
     ap.add_argument("--no-llama", action="store_true", help="TensorFold only")
