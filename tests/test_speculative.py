@@ -161,9 +161,22 @@ def test_adaptive_stops_drafting_when_drafts_fail():
     assert st["spec_drafted"] <= 4 * 6 + 64 // 16 + 6, st
 
 
-def test_refusals(smollm2_path):
+def test_refusals(smollm2_path, tmp_path):
     with pytest.raises(Exception, match="vocabulary"):
         _engine(DENSE_Q8, draft=smollm2_path)
+    with pytest.raises(FileNotFoundError, match="draft '/nonexistent.gguf'"):
+        _engine(DENSE_Q8, draft="/nonexistent.gguf")
+    import gguf
+
+    other = tmp_path / "gpt2.gguf"  # a file of an architecture the engine does not run
+    w = gguf.GGUFWriter(str(other), "gpt2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(Exception, match="^draft model: .*gpt2"):
+        _engine(DENSE_Q8, draft=str(other))
     with pytest.raises(ValueError, match="draft_max"):
         _engine(DENSE_Q8, draft="lookup", draft_max=0)
     e = _engine(DENSE_Q8, draft="lookup")

@@ -66,8 +66,12 @@ class DraftModel final : public DraftSource {
  public:
   DraftModel(const std::string& path, const GgufFile& target, Backend& be, const DraftModelSizes& z)
       : be_(be), sizes_(z) {
-    file_ = GgufFile::open(path);
-    model_ = std::make_unique<Model>(file_, &be_);
+    try {
+      file_ = GgufFile::open(path);
+      model_ = std::make_unique<Model>(file_, &be_);
+    } catch (const Error& e) {
+      fail(e.kind(), "draft model: ", e.what());  // say which of the two files it is about
+    }
     const ModelConfig& c = model_->config();
     const int64_t target_vocab = target.find("tokenizer.ggml.tokens")
                                      ? int64_t(target.find("tokenizer.ggml.tokens")->array_size())
@@ -329,8 +333,12 @@ uint64_t draft_model_bytes(const std::string& path, const DraftModelSizes& z) {
   o.kv_type = z.kv_type;
   o.prefix_cache = false;
   o.memory_budget = -1;
-  const MemoryPlan p = plan_memory(GgufFile::open(path), o);
-  return p.weights + p.kv + p.scratch;
+  try {
+    const MemoryPlan p = plan_memory(GgufFile::open(path), o);
+    return p.weights + p.kv + p.scratch;
+  } catch (const Error& e) {
+    fail(e.kind(), "draft model: ", e.what());  // say which of the two files it is about
+  }
 }
 
 // ---- draft lengths --------------------------------------------------------------------------

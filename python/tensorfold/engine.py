@@ -307,7 +307,11 @@ class Engine:
         self._check_vocab(None)  # before loading the weights: fail fast
         draft = draft or ""
         if draft not in ("", "lookup", "mtp"):
-            draft = resolve_model(draft)
+            try:
+                draft = resolve_model(draft)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"draft {draft!r}: {e}; draft must be 'lookup', 'mtp' or the path of a "
+                                        "draft model GGUF") from None
         if tp == 2 and not peer:
             raise ValueError("tp=2 needs peer='HOST:PORT' (where rank 1 listens)")
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
