@@ -385,24 +385,6 @@ inline __m256 load_w8(const uint8_t* row, int64_t i) {
     else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
 }
-template <T_ T>
-inline float load_w1(const uint8_t* row, int64_t i) {
-  if constexpr (T == T_::F32) {
-    float v;
-    std::memcpy(&v, row + 4 * i, 4);
-    return v;
-  } else {
-    uint16_t h;
-    std::memcpy(&h, row + 2 * i, 2);
-    if constexpr (T == T_::F16) return _cvtsh_ss(h);
-    else {
-      const uint32_t u = uint32_t(h) << 16;
-      float f;
-      std::memcpy(&f, &u, 4);
-      return f;
-    }
-  }
-}
 
 template <T_ T, int NC>
 void f_row(int64_t k, const uint8_t* row, const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
@@ -417,7 +399,7 @@ void f_row(int64_t k, const uint8_t* row, const uint8_t* xq, size_t xs, float* y
   for (int c = 0; c < NC; ++c) {
     float s = hsum8(acc[c]);
     const float* x = reinterpret_cast<const float*>(xq + size_t(c) * xs);
-    for (int64_t j = i; j < k; ++j) s += load_w1<T>(row, j) * x[j];
+    for (int64_t j = i; j < k; ++j) s += float_weight<T>(row, j) * x[j];
     y[c * ldy] = s;
   }
 }

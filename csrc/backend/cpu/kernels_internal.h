@@ -20,6 +20,7 @@
 #include "backend/cpu/cpu_kernels.h"
 #include "core/cpu_features.h"
 #include "core/dtype.h"
+#include "core/half.h"
 #include "quant/blocks.h"
 
 namespace tf::cpu::detail {
@@ -133,6 +134,22 @@ alignas(32) inline constexpr uint8_t kScalePairShuffle[4][32] = {
     {8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 8, 9, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11, 10, 11},
     {12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 12, 13, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15, 14, 15},
 };
+
+// Element i of a float weight row (F32, F16 or BF16): the scalar form every ISA's float
+// product uses for its tail (half to float is exact, so every conversion agrees).
+template <GgmlType T>
+inline float float_weight(const uint8_t* row, int64_t i) {
+  if constexpr (T == GgmlType::F32) {
+    float v;
+    std::memcpy(&v, row + 4 * i, 4);
+    return v;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, row + 2 * i, 2);
+    if constexpr (T == GgmlType::F16) return fp16_to_fp32(h);
+    else return bf16_to_fp32(h);
+  }
+}
 
 }  // namespace tf::cpu::detail
 

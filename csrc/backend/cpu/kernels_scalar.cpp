@@ -293,19 +293,6 @@ void matmul_k(int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1,
   }
 }
 
-template <GgmlType T>
-inline float load_wf(const uint8_t* row, int64_t i) {
-  if constexpr (T == GgmlType::F32) {
-    float v;
-    std::memcpy(&v, row + 4 * i, 4);
-    return v;
-  } else {
-    uint16_t h;
-    std::memcpy(&h, row + 2 * i, 2);
-    if constexpr (T == GgmlType::F16) return fp16_to_fp32(h);
-    else return bf16_to_fp32(h);
-  }
-}
 
 template <GgmlType T>
 void matmul_float(int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1, const void* xq,
@@ -316,7 +303,7 @@ void matmul_float(int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t
       const float* x = reinterpret_cast<const float*>(static_cast<const uint8_t*>(xq) +
                                                       size_t(c) * xq_stride);
       float acc = 0.f;
-      for (int64_t i = 0; i < k; ++i) acc += load_wf<T>(row, i) * x[i];
+      for (int64_t i = 0; i < k; ++i) acc += float_weight<T>(row, i) * x[i];
       y[c * ldy + r] = acc;
     }
   }

@@ -23,19 +23,6 @@ inline float32x4_t load_w4(const uint8_t* row, int64_t i) {
   }
 }
 
-template <GgmlType T>
-inline float load_w1(const uint8_t* row, int64_t i) {
-  if constexpr (T == GgmlType::F32) {
-    float v;
-    std::memcpy(&v, row + 4 * i, 4);
-    return v;
-  } else {
-    uint16_t h;
-    std::memcpy(&h, row + 2 * i, 2);
-    if constexpr (T == GgmlType::F16) return h2f(h);
-    else return bf16_to_fp32(h);
-  }
-}
 
 template <GgmlType T>
 void matmul_float(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
@@ -54,7 +41,7 @@ void matmul_float(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, c
       }
       for (; i + 4 <= k; i += 4) a0 = vfmaq_f32(a0, load_w4<T>(row, i), vld1q_f32(x + i));
       float acc = vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
-      for (; i < k; ++i) acc += load_w1<T>(row, i) * x[i];
+      for (; i < k; ++i) acc += float_weight<T>(row, i) * x[i];
       y[c * ldy + r] = acc;
     }
   }
