@@ -507,9 +507,13 @@ bool Engine::emit(Sequence& s, int32_t tok, const float* lg, std::vector<StepOut
 void Engine::add_drafts(int& budget, int& logit_rows) {
   // Who may draft, and how many tokens each: the policy weighs each sequence's acceptance
   // against the measured cost of a verified token and of a drafted one.
-  std::vector<size_t> who;
-  std::vector<double> rate;
-  std::vector<int> idle;
+  // Reused every step (no allocation per token once warmed up).
+  std::vector<size_t>& who = draft_who_;
+  std::vector<double>& rate = draft_rate_;
+  std::vector<int>& idle = draft_idle_;
+  who.clear();
+  rate.clear();
+  idle.clear();
   for (size_t i = 0; i < batch_.size(); ++i) {
     Sequence& s = *batch_owner_[i];
     s.drafts.clear();
@@ -553,8 +557,10 @@ void Engine::add_drafts(int& budget, int& logit_rows) {
     for (size_t r = 0; r < reqs.size(); ++r) batch_owner_[req_at[r]]->drafts = std::move(reqs[r].drafts);
   }
   // The batch again: each sequence's token, then its drafts (that fit the budget and the pool).
-  std::vector<BatchToken> batch;
-  std::vector<Sequence*> owner;
+  std::vector<BatchToken>& batch = draft_batch_;
+  std::vector<Sequence*>& owner = draft_owner_;
+  batch.clear();
+  owner.clear();
   for (size_t i = 0; i < batch_.size(); ++i) {
     Sequence& s = *batch_owner_[i];
     batch.push_back(batch_[i]);

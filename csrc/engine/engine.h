@@ -242,6 +242,12 @@ class Engine {
   std::unique_ptr<DraftSource> lookup_, draft_model_;  // speculation sources (null: none)
   std::unique_ptr<MtpSource> mtp_;
   std::vector<float> hidden_;  // the last hidden states of a step's tokens (MTP reads them)
+  // add_drafts' working lists, reused every step (the batch with drafts is swapped with batch_).
+  std::vector<size_t> draft_who_;
+  std::vector<double> draft_rate_;
+  std::vector<int> draft_idle_;
+  std::vector<BatchToken> draft_batch_;
+  std::vector<Sequence*> draft_owner_;
   DraftSource* default_source_ = nullptr;
   std::unique_ptr<DraftPolicy> draft_policy_;
   mutable std::mutex mu_;              // guards everything below that changes after start-up
