@@ -260,6 +260,32 @@ def test_top_k_top_p_min_p_filters():
     assert set(np.unique(d)) == {0, 1, 2}
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (0.6, 0, 1.0, 0.0),     # the OpenAI API's default (no filter): the whole vocabulary
+    (0.8, 0, 0.95, 0.0),    # a nucleus of most of the vocabulary (bucketed selection)
+    (1.0, 0, 1.0, 0.002),   # min-p alone
+    (0.8, 40, 0.95, 0.05),  # the Python API's defaults (a heap for the top-k)
+    (1.5, 5000, 0.98, 0.0), # a large top-k (bucketed selection), then top-p
+])
+def test_large_vocabulary_distribution(temperature, top_k, top_p, min_p):
+    """Draws over a 49K vocabulary (SmolLM2's size; a few likely tokens, a long tail, ties,
+    -inf and NaN) follow the float64 filter chain: no token outside its support, a binned
+    chi-square at p = 0.001."""
+    from sampling_reference import binned_chi2, reference_distribution
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal(49152) * 2.0).astype(np.float32)
+    logits[rng.choice(49152, 8, replace=False)] += 9.0
+    logits[300:320] = logits[299]
+    logits[5], logits[6] = -np.inf, np.nan
+    p = reference_distribution(np.where(np.isfinite(logits), logits, -np.inf), temperature, top_k, top_p, min_p)
+    n = 8000  # 40+ expected draws per chi-square bin: ~200 bins
+    draws = ops.sample(logits, n=n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=4)
+    counts = np.bincount(draws, minlength=len(logits))
+    assert counts[p == 0].sum() == 0, "a filtered-out token was drawn"
+    chi2, crit = binned_chi2(counts, p)
+    assert chi2 <= crit, (chi2, crit)
+
+
 def test_seed_reproducible_and_independent():
     logits = np.zeros(50000, np.float32)
     a = ops.sample(logits, n=64, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)

@@ -16,6 +16,8 @@ import pytest
 import tensorfold
 from tensorfold import _core
 
+from sampling_reference import binned_chi2, reference_distribution
+
 FIX = pathlib.Path(__file__).parent / "fixtures"
 DENSE_Q8 = FIX / "quant" / "dense-Q8_0.gguf"     # llama.cpp's converter + quantizer
 DENSE_Q2 = FIX / "quant" / "dense-Q2_K.gguf"     # the same model, 2-bit: a draft that is often wrong
@@ -187,28 +189,6 @@ def test_refusals(smollm2_path, tmp_path):
 
 
 # -- rejection sampling ----------------------------------------------------------------------
-def _reference_distribution(logits, temperature, top_k, top_p, min_p):
-    """float64: llama.cpp's order — top-k, top-p and min-p on the temperature-1 softmax, then the
-    temperature on what is left."""
-    x = np.asarray(logits, np.float64)
-    order = np.argsort(-x, kind="stable")
-    keep = order[:top_k] if top_k > 0 else order
-    p = np.exp(x[keep] - x[keep[0]])
-    if top_p < 1:
-        c = np.cumsum(p / p.sum())
-        keep = keep[: int(np.searchsorted(c, top_p) + 1)]
-        p = p[: len(keep)]
-    if min_p > 0:
-        n = 1
-        while n < len(keep) and p[n] >= min_p:
-            n += 1
-        keep = keep[:n]
-    w = np.exp((x[keep] - x[keep[0]]) / temperature)
-    out = np.zeros(len(x))
-    out[keep] = w / w.sum()
-    return out
-
-
 SAMPLING = [
     (1.0, 0, 1.0, 0.0, 2),    # plain softmax; a likely draft
     (0.7, 0, 1.0, 0.0, 5),    # an unlikely draft
@@ -222,7 +202,7 @@ def test_rejection_sampling_distribution(temperature, top_k, top_p, min_p, draft
     """Emitted tokens ~ the target's distribution whatever the draft (chi-square, 40k draws, a
     fixed seed), and the draft accepted with its probability."""
     logits = np.array([1.0, 0.2, 2.0, -0.5, 1.5, -1.0, 0.7, 0.0, 1.1, -2.0], np.float32)
-    p = _reference_distribution(logits, temperature, top_k, top_p, min_p)
+    p = reference_distribution(logits, temperature, top_k, top_p, min_p)
     n = 40000
     counts, accepted = _core._sample_given_draft(logits, draft, temperature, top_k, top_p, min_p, 99, n)
     live = p > 0
@@ -234,6 +214,36 @@ def test_rejection_sampling_distribution(temperature, top_k, top_p, min_p, draft
     crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3 if dof > 0 else 0.0
     assert chi2 <= crit, (chi2, crit, counts, exp)
     assert accepted == pytest.approx(p[draft] * n, abs=4 * np.sqrt(n * p[draft] * (1 - p[draft])) + 1)
+
+
+def _vocab_logits(n=49152, seed=5):
+    """A language model's spread over a SmolLM2-sized vocabulary: a few likely tokens and a long
+    tail, with ties and non-finite entries."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 2.0).astype(np.float32)
+    x[rng.choice(n, 8, replace=False)] += 9.0
+    x[100:110] = x[99]  # ties
+    x[7] = -np.inf
+    x[11] = np.nan
+    return x
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0),      # no filter: the whole vocabulary in place
+    (0.7, 3000, 0.99, 0.0),  # a large top-k, then top-p (both bucketed selections)
+])
+def test_rejection_sampling_large_vocabulary(temperature, top_k, top_p, min_p):
+    """The verification's emitted tokens and acceptance over a 49K vocabulary, with the draft the
+    most likely token and then a tail token, against the float64 filter chain."""
+    logits = _vocab_logits()
+    p = reference_distribution(np.where(np.isfinite(logits), logits, -np.inf), temperature, top_k, top_p, min_p)
+    for draft in (int(np.argmax(p)), int(np.flatnonzero(p > 0)[-1])):
+        n = 8000
+        counts, accepted = _core._sample_given_draft(logits, draft, temperature, top_k, top_p, min_p, 17, n)
+        assert counts[p == 0].sum() == 0, "a filtered-out token was emitted"
+        chi2, crit = binned_chi2(counts, p)
+        assert chi2 <= crit, (chi2, crit)
+        assert accepted == pytest.approx(p[draft] * n, abs=4 * np.sqrt(n * p[draft] * (1 - p[draft])) + 1)
 
 
 def test_greedy_verification_is_argmax():

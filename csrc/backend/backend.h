@@ -12,6 +12,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -166,6 +167,11 @@ class Backend {
   virtual std::string supported_types() const = 0;
   // Host work (loading, TP) may be interrupted by Ctrl-C inside long ops when on.
   virtual void set_interruptible(bool on) = 0;
+  // fn(i) for i in [0, n) on the host, on the backend's host threads where it has them (the
+  // engine's per-sequence work between forwards: sampling a batch). One caller at a time.
+  virtual void host_parallel(int64_t n, const std::function<void(int64_t)>& fn) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  }
 
   // -- memory ------------------------------------------------------------------------------
   virtual Buffer alloc(size_t bytes, BufferKind kind) = 0;

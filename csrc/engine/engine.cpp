@@ -449,9 +449,11 @@ std::vector<StepOutput> Engine::step() {
   // 3. Advance, sample and check stop conditions. A sequence's tokens are contiguous in the
   // batch.
   const int64_t V = config().n_vocab;
+  sample_batch(V);
   int row = 0;
   std::vector<int64_t>& done = done_;
   done.clear();
+  size_t next_sampled = 0;
   for (size_t i = 0; i < batch_.size();) {
     Sequence& s = *batch_owner_[i];
     size_t j = i;
@@ -471,12 +473,39 @@ std::vector<StepOutput> Engine::step() {
     kv_->advance(s.slot, s.tokens.data(), int64_t(s.n_computed));
     if (batch_[j - 1].want_logits) {
       const float* lg = logits_.data() + size_t(row++) * size_t(V);
-      if (emit(s, s.sampler.sample(lg, V), lg, out)) done.push_back(s.id);
+      if (emit(s, sampled_[next_sampled++].token, lg, out)) done.push_back(s.id);
     }
     i = j;
   }
   for (int64_t id : done) seqs_.erase(id);
   return out;
+}
+
+void Engine::sample_batch(int64_t V) {
+  // The sequences that sample one token this step (not those verifying drafts), in batch
+  // order, with their logits rows; sampled in parallel when there are several (each sequence
+  // has its own sampler and RNG, so the draws do not depend on the threads).
+  sampled_.clear();
+  int64_t row = 0;
+  for (size_t i = 0; i < batch_.size();) {
+    Sequence& s = *batch_owner_[i];
+    size_t j = i;
+    while (j < batch_.size() && batch_owner_[j] == &s) ++j;
+    if (!s.drafts.empty()) {
+      row += int64_t(j - i);
+    } else if (batch_[j - 1].want_logits) {
+      sampled_.push_back({&s, logits_.data() + size_t(row++) * size_t(V), 0});
+    }
+    i = j;
+  }
+  auto one = [&](int64_t k) {
+    Sampled& x = sampled_[size_t(k)];
+    x.token = x.seq->sampler.sample(x.logits, V);
+  };
+  if (sampled_.size() > 1)
+    be_->host_parallel(int64_t(sampled_.size()), one);
+  else if (sampled_.size() == 1)
+    one(0);
 }
 
 bool Engine::emit(Sequence& s, int32_t tok, const float* lg, std::vector<StepOutput>& out) {

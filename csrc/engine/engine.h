@@ -259,6 +259,14 @@ class Engine {
   std::vector<BatchToken> batch_;
   std::vector<Sequence*> batch_owner_;
   std::vector<float> logits_;
+  // This step's plain samples (sample_batch), reused between steps.
+  struct Sampled {
+    Sequence* seq;
+    const float* logits;
+    int32_t token;
+  };
+  std::vector<Sampled> sampled_;
+  void sample_batch(int64_t V);
   EngineStats stats_;
   // TP state
   TpOptions tp_;

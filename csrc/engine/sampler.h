@@ -39,14 +39,35 @@ class Sampler {
   int32_t sample_given_draft(const float* logits, int64_t n_vocab, int32_t draft, bool& accepted);
 
  private:
-  // The candidates (c[0..keep)) and their weights w (sum `total`) that sample() draws from;
-  // false when the settings or the logits leave no choice (greedy, +inf, no finite logit).
-  bool distribution(const float* logits, int64_t n_vocab, size_t& keep, double& total);
+  // The distribution sample() draws from: candidates and their weights (sum `total`); false
+  // when the settings or the logits leave no choice (greedy, +inf, no finite logit). O(n_vocab):
+  // one pass for the maximum, one for the weights (a vectorisable exp), selection only where a
+  // filter needs it (a k-heap for top-k, growing partial sorts for top-p) and never a full sort.
+  bool distribution(const float* logits, int64_t n_vocab, double& total);
+  // Appends to cand_ top-p's nucleus of the tokens x[0..n) (weights w = exp(x - mx), summing
+  // to `mass`): the smallest most-likely set whose mass reaches top_p, less those below
+  // min_logit, in no particular order; returns how many.
+  size_t nucleus(const float* x, const float* w, int64_t n, float mx, double mass, float min_logit);
+  // cand_ = the k largest finite logits of x[0..n) (k below their count), in no particular order.
+  void top_k_by_buckets(const float* x, int64_t n, float mx, size_t k);
+  static constexpr int kHeapTopK = 256;  // up to this k a heap selects (most logits fail one comparison)
+  // The candidate whose cumulative weight first reaches r (r in [0, total)), skipping `skip`.
+  size_t pick(double r, size_t skip) const;
+  int32_t id_at(size_t i) const { return dense_ ? int32_t(i) : cand_[i].second; }
   SamplingParams p_;
   std::mt19937_64 rng_;
-  // Reused between calls: no allocation per token once warmed up.
+  // Reused between calls: no allocation per token once warmed up. dense_: every token is a
+  // candidate (no filter), weight_[i] belongs to token i (0 for a non-finite logit), cand_ unused.
+  bool dense_ = false;
   std::vector<std::pair<float, int32_t>> cand_;
-  std::vector<double> prob_, weight_;
+  std::vector<float> weight_;
+  std::vector<std::pair<float, int32_t>> boundary_;  // nucleus(): the cut bucket's candidates
+  std::vector<double> bucket_mass_;                  // nucleus(): mass per logit bucket
+  std::vector<float> top_x_, top_w_;                 // top-k then top-p: the k logits and weights
+  std::vector<int32_t> top_id_;
+  std::vector<size_t> bucket_count_;                 // top_k_by_buckets(): tokens per logit bucket
+  std::vector<double> block_sum_;  // sums of weight_ over kPickBlock candidates: pick() skips blocks
+  static constexpr size_t kPickBlock = 256;
 };
 
 }  // namespace tf

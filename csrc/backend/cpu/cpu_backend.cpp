@@ -47,6 +47,12 @@ class CpuBackend final : public Backend {
  public:
   CpuBackend(int threads, CpuIsa isa) : isa_(isa), ops_(cpu::vec_ops_for(isa)), pool_(threads) {}
 
+  void host_parallel(int64_t n, const std::function<void(int64_t)>& fn) override {
+    if (n <= 1) return n == 1 ? fn(0) : void();
+    pool_.parallel_for(n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) fn(i);
+    });
+  }
   std::string name() const override { return std::string("cpu:") + isa_name(isa_); }
   int threads() const override { return pool_.size(); }
   bool supports(GgmlType t) const override { return cpu::find_kernels(t) != nullptr; }
