@@ -6,6 +6,12 @@ import os
 
 import pytest
 
+# No test may depend on timing: the default CPU backend's measured kernel choice
+# (tensorfold.kernel_tuning) is off unless a test turns it on (tests/test_kernel_tuning.py sets
+# choices explicitly); every product then runs the highest instruction set, as before. Set here,
+# before any test imports tensorfold, so subprocesses (the CLI, servers) inherit it.
+os.environ.setdefault("TENSORFOLD_KERNEL_TUNING", "off")
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cpu/kernel_choice.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/kernels_internal.h"
 #include "bindings/bindings.h"
@@ -124,6 +125,45 @@ uint64_t kernels_read_bytes(py::array_t<uint8_t, py::array::c_style> a, int thre
 }  // namespace
 
 void bind_kernels(py::module_& m) {
+  // Kernel choice per (format, shape class) for the tuned "cpu" backend (kernel_choice.h);
+  // tensorfold.kernel_tuning measures, caches and sets it.
+  auto cls = [](const std::string& name) {
+    cpu::ShapeClass c;
+    if (!cpu::parse_shape_class(name.c_str(), &c))
+      fail(ErrorKind::InvalidInput, "shape class must be 'decode' or 'prefill', got '", name, "'");
+    return c;
+  };
+  m.def("cpu_kernel_time",
+        [cls](uint32_t type_id, const std::string& shape, const std::string& isa, int threads, size_t decode_bytes,
+              int reps) {
+          check_threads(threads);
+          TF_CHECK(type_id < kGgmlTypeIdLimit, "unknown type id ", type_id);
+          const cpu::ShapeClass c = cls(shape);
+          const CpuIsa i = parse_impl(isa);
+          py::gil_scoped_release nogil;
+          return cpu::time_kernel(GgmlType(type_id), c, i, threads, decode_bytes, reps);
+        },
+        py::arg("type_id"), py::arg("shape"), py::arg("isa"), py::arg("threads"), py::arg("decode_bytes"),
+        py::arg("reps") = 3,
+        "Seconds per product of a format in a shape class ('decode': one column over decode_bytes of "
+        "weights; 'prefill': 512 rows x 64 columns) with one ISA's kernel, best of reps.");
+  m.def("set_cpu_kernel_choice",
+        [cls](uint32_t type_id, const std::string& shape, const std::string& isa) {
+          TF_CHECK(type_id < kGgmlTypeIdLimit, "unknown type id ", type_id);
+          cpu::set_kernel_choice(GgmlType(type_id), cls(shape), parse_impl(isa));
+        },
+        py::arg("type_id"), py::arg("shape"), py::arg("isa"),
+        "Run this format's products of this shape class with this ISA's kernel in the tuned 'cpu' backend.");
+  m.def("cpu_kernel_choice",
+        [cls](uint32_t type_id, const std::string& shape) -> py::object {
+          TF_CHECK(type_id < kGgmlTypeIdLimit, "unknown type id ", type_id);
+          const cpu::ShapeClass c = cls(shape);
+          if (!cpu::has_kernel_choice(GgmlType(type_id), c)) return py::none();
+          return py::str(isa_name(cpu::kernel_choice(GgmlType(type_id), c, best_isa())));
+        },
+        py::arg("type_id"), py::arg("shape"), "The ISA recorded for (format, shape class), or None.");
+  m.def("clear_cpu_kernel_choices", &cpu::clear_kernel_choices, "Forget every recorded kernel choice.");
+
   m.def("kernels_matmul", &kernels_matmul, py::arg("type_id"), py::arg("w"), py::arg("rows"),
         py::arg("k"), py::arg("x"), py::arg("impl") = "auto", py::arg("threads") = 1,
         "y[ncols, rows] = x[ncols, k] @ dequant(W[rows, k]).T with x quantized per row the way "

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from . import _core, native
+from . import _core, kernel_tuning, native
 from .chat_template import check_roles, render_chat
 from .native import StepEvent
 from .pull import path_error  # noqa: F401 - re-exported: one check of model/input paths
@@ -314,6 +314,9 @@ class Engine:
                                         "draft model GGUF") from None
         if tp == 2 and not peer:
             raise ValueError("tp=2 needs peer='HOST:PORT' (where rank 1 listens)")
+        if backend == "cpu" or (backend == "auto" and not _core.cuda.device_count()):
+            # The tuned CPU backend: the fastest kernel per (format, shape class), measured once.
+            kernel_tuning.tune((t["type"] for t in self._gguf.tensors()), threads or _core.usable_cpus())
         self._core = _core.Engine(self.path, threads or 0, kv_tokens or 0, context or 0, max_batch_tokens,
                                   kv_type, tp, rank, peer or "", list(rails or []), float(timeout),
                                   bool(tp_compatible), token, budget, transport, float(wait),

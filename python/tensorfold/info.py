@@ -64,6 +64,19 @@ def _imatrix(md: dict, tensors: list[dict]) -> list[str]:
     return lines
 
 
+def _cpu_kernels(types: list[str]) -> list[str]:
+    """Which instruction set's kernel each format's products run with in the default CPU backend,
+    per shape class (measured once per machine and cached: tensorfold.kernel_tuning)."""
+    from . import kernel_tuning
+    tuned = kernel_tuning.tune(types, _core.usable_cpus())
+    table = tuned or kernel_tuning.choices(types)
+    if not table:
+        return []
+    how = "measured" if tuned else "not measured (TENSORFOLD_KERNEL_TUNING=off)"
+    parts = [f"{ty} {c['decode']}/{c['prefill']}" for ty, c in table.items()]
+    return [f"cpu kernels:   decode/prefill per format, {how}: " + ", ".join(parts)]
+
+
 def _quantize_history(md: dict) -> list[str]:
     """What `tensorfold quantize` recorded: recipe, hashes, version, measured quality."""
     from .quantize import META_PREFIX
@@ -188,6 +201,7 @@ def describe(model: str, show_tensors: bool = False) -> str:
     for ty, n in sorted(n_el.items(), key=lambda kv: -n_by[kv[0]]):
         lines.append(f"  {ty:<8} {n / 1e6:10.2f} M weights  {human_size(n_by[ty]):>11}  "
                      f"{8 * n_by[ty] / max(n, 1):6.3f} bpw")
+    lines.extend(_cpu_kernels([ty for ty in n_el if ty not in unsupported]))
     lines.extend(_quantize_history(md))
     if unsupported:
         lines.append(f"warning: types not supported by TensorFold yet: {', '.join(sorted(unsupported))}")

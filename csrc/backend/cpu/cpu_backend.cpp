@@ -16,6 +16,7 @@
 #include "backend/cpu/attention_sparse.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/index_topk.h"
+#include "backend/cpu/kernel_choice.h"
 #include "backend/cpu/kernel_table.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/kernels_internal.h"
@@ -45,7 +46,10 @@ void free_host(void* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(int threads, CpuIsa isa) : isa_(isa), ops_(cpu::vec_ops_for(isa)), pool_(threads) {}
+  // tuned: products run the kernel measured fastest per (format, shape class) up to `isa`
+  // (backend/cpu/kernel_choice.h); otherwise always `isa`'s (an explicit "cpu:avx2" etc.).
+  CpuBackend(int threads, CpuIsa isa, bool tuned)
+      : isa_(isa), tuned_(tuned), ops_(cpu::vec_ops_for(isa)), pool_(threads) {}
 
   void host_parallel(int64_t n, const std::function<void(int64_t)>& fn) override {
     if (n <= 1) return n == 1 ? fn(0) : void();
@@ -554,7 +558,8 @@ class CpuBackend final : public Backend {
       const size_t ji = size_t(std::upper_bound(first_chunk_.begin(), first_chunk_.end(), c) - first_chunk_.begin()) - 1;
       const MatmulJob& j = jobs_[ji];
       const int64_t r0 = (c - first_chunk_[ji]) * per, r1 = std::min(j.w.rows, r0 + per);
-      cpu::detail::matmul_rows_isa(isa_, j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride,
+      const CpuIsa isa = tuned_ ? cpu::kernel_choice(j.w.type, cpu::shape_class(j.ncols), isa_) : isa_;
+      cpu::detail::matmul_rows_isa(isa, j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride,
                                    j.ncols, j.y, j.ldy);
     });
   }
@@ -577,6 +582,7 @@ class CpuBackend final : public Backend {
   }
 
   CpuIsa isa_;
+  bool tuned_;
   const cpu::VecOps& ops_;
   ThreadPool pool_;
   Act act_[kLayouts], grouped_[kLayouts];
@@ -646,7 +652,7 @@ std::unique_ptr<Backend> make_cpu_backend(int threads, const std::string& varian
     fail(ErrorKind::InvalidInput, "unknown instruction set '", variant,
          "' for backend 'cpu' (expected scalar, avx2, avx512, neon, dotprod or i8mm)");
   TF_CHECK(cpu::detail::isa_available(isa), "cpu backend: this CPU (or build) lacks ", isa_name(isa));
-  return std::make_unique<CpuBackend>(std::max(1, threads), isa);
+  return std::make_unique<CpuBackend>(std::max(1, threads), isa, variant.empty());
 }
 
 std::vector<std::string> cpu_backend_variants() {
