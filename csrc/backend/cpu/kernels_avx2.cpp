@@ -155,8 +155,10 @@ inline void k_scales_avx2(const uint8_t* blk, KUnpacked* u) {
     out[1] = (a[1] & m4) | (((a[2] >> 2) & m2) << 4);
     out[2] = ((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4);
     out[3] = ((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4);
-    const __m256i sc = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(out))),
-                                        _mm256_set1_epi16(32));
+    // Built in registers: four 4-byte stores read back as one 16-byte load would miss store
+    // forwarding and stall every block (it halved Q3_K's decode speed).
+    const __m128i packed = _mm_setr_epi32(int(out[0]), int(out[1]), int(out[2]), int(out[3]));
+    const __m256i sc = _mm256_sub_epi16(_mm256_cvtepu8_epi16(packed), _mm256_set1_epi16(32));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(u->sc), sc);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(u->mn), _mm256_slli_epi16(sc, 2));
     u->d = u->dmin = h2f(b->d);
@@ -173,7 +175,7 @@ inline void k_scales_avx2(const uint8_t* blk, KUnpacked* u) {
     sm[2] = w[1] & m6;                                        // mins 0..3
     sm[3] = ((w[2] >> 4) & m4) | (((w[1] >> 6) & m2) << 4);   // mins 4..7
     const __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm));
+    const __m128i v = _mm_setr_epi32(int(sm[0]), int(sm[1]), int(sm[2]), int(sm[3]));  // in registers (see Q3_K)
     store16(u->sc, _mm_shuffle_epi8(v, pairs), false);
     store16(u->mn, _mm_shuffle_epi8(_mm_srli_si128(v, 8), pairs), false);
     u->d = h2f(b->d);

@@ -315,7 +315,9 @@ inline void unpack_k(const uint8_t* p, KW& o) {
     aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
     aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
     aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(aux));
+    // In registers: the four 4-byte stores read back as one 16-byte load would miss store
+    // forwarding and stall every block.
+    const __m128i raw = _mm_setr_epi32(int(aux[0]), int(aux[1]), int(aux[2]), int(aux[3]));
     const __m256i s = _mm256_sub_epi16(_mm256_cvtepu8_epi16(raw), _mm256_set1_epi16(32));
     expand_sc16(_mm512_castsi256_si512(s), o);
     o.mn = _mm256_slli_epi16(s, 2);
