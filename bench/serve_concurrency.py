@@ -86,9 +86,16 @@ class Server:
         self.log.close()
 
 
+# --sampling: greedy, or the OpenAI API's defaults (temperature 1, top_p 1, no top-k / min-p:
+# a draw from the whole vocabulary), which a client gets when it names no sampling parameter.
+SAMPLING = {"greedy": {"temperature": 0.0},
+            "openai": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 1}}
+_sampling = SAMPLING["greedy"]
+
+
 async def one_stream(client, url: str, model: str, text: str, n_gen: int, t_start: float) -> dict:
-    body = {"model": model, "prompt": text, "max_tokens": n_gen, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": text, "max_tokens": n_gen, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}, **_sampling}
     times = []
     tokens = None
     async with client.stream("POST", url, json=body) as r:
@@ -162,7 +169,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--only", choices=("tensorfold", "llama-server"), default=None)
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                    help="greedy (default), or openai: temperature 1 over the whole vocabulary, the API's "
+                         "default (top_k=0 and min_p=0 spelled out: llama-server's own defaults filter)")
     a = ap.parse_args()
+    global _sampling
+    _sampling = SAMPLING[a.sampling]
 
     import tensorfold
     from e2e import measure_dram_read  # noqa: E402  (bench/e2e.py)

@@ -1,7 +1,10 @@
 // Choosing a backend by name: the engine's `backend` option and the op tests.
 #include "backend/backend.h"
 
+#include <cstdlib>
+
 #include "backend/cpu/cpu_backend.h"
+#include "backend/profiled_backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
 #include "core/cpu_features.h"
@@ -15,7 +18,21 @@ std::vector<std::string> available_backends() {
   return out;
 }
 
+namespace {
+std::unique_ptr<Backend> make_named_backend(const BackendOptions& opts);
+}
+
 std::unique_ptr<Backend> make_backend(const BackendOptions& opts) {
+  // TENSORFOLD_PROFILE_OPS=1: every op timed (bench/profile_decode.py reads tf::op_profile()).
+  const char* prof = std::getenv("TENSORFOLD_PROFILE_OPS");
+  auto b = make_named_backend(opts);
+  if (prof && *prof && std::string(prof) != "0") return make_profiled_backend(std::move(b));
+  return b;
+}
+
+namespace {
+
+std::unique_ptr<Backend> make_named_backend(const BackendOptions& opts) {
   std::string name = opts.name, variant = opts.variant;
   if (const auto colon = name.find(':'); colon != std::string::npos) {
     variant = name.substr(colon + 1);
@@ -36,5 +53,7 @@ std::unique_ptr<Backend> make_backend(const BackendOptions& opts) {
   }
   fail(ErrorKind::InvalidInput, "unknown backend '", opts.name, "' (available: cpu, cuda, auto)");
 }
+
+}  // namespace
 
 }  // namespace tf

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/profiled_backend.h"
 #include "bindings/bindings.h"
 #include "core/error.h"
 #include "kv/kv_cache.h"
@@ -82,6 +83,17 @@ KvType kv_type_of(const std::string& t) {
 }  // namespace
 
 void bind_backend(py::module_& m) {
+  m.def("op_profile",
+        [] {
+          py::dict out;
+          for (const auto& [key, c] : op_profile())
+            out[py::str(key)] = py::dict(py::arg("calls") = c.calls, py::arg("seconds") = c.seconds,
+                                         py::arg("weight_bytes") = c.weight_bytes);
+          return out;
+        },
+        "Per-op costs since the last reset, of backends made with TENSORFOLD_PROFILE_OPS=1: "
+        "{'op' or 'op TYPE decode|prefill': {calls, seconds, weight_bytes}}");
+  m.def("reset_op_profile", &reset_op_profile);
   m.def("available_backends", &available_backends,
         "Backends this machine and build can run, e.g. ['cpu:avx512', 'cpu:avx2', 'cpu:scalar']");
   py::class_<Backend>(m, "Backend", "One backend of the seam (backend/backend.h), its operations one at a time")
