@@ -9,17 +9,22 @@ Environment (all optional):
   TF_BENCH_POOL_ROWS  distinct quantized rows a weight matrix is tiled from (default 256)
 and, for one file each, TF_BENCH_GEMM_ROWS (bench_products.py), TF_BENCH_MAX_CONTEXT
 (bench_attention.py).
+
+Also the llama-bench runner of the end-to-end scripts (bench/e2e*.py): mainline llama.cpp's
+llama-bench and ik_llama.cpp's (github.com/ikawrakow/ik_llama.cpp) take the same -m -t -p -n -r
+-o json; ik's has no -d (decode at depth is -gp DEPTH,N there) and adds -rtr 0|1 (run-time
+repacking of the weights to its row-interleaved layouts, its best CPU setting).
 """
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import subprocess
 import time
 
 import numpy as np
-import pytest
 
 from tensorfold import _core
 
@@ -79,6 +84,8 @@ def backend_names() -> list[str]:
 
 def make_backend(name: str):
     """The backend, or a skip naming why it cannot run here (e.g. a CUDA backend without forward)."""
+    import pytest
+
     try:
         return _core.Backend(name, THREADS)
     except (ValueError, RuntimeError) as e:
@@ -119,6 +126,8 @@ def quantized_rows(type_id: int, rows: int, k: int, seed: int = 0) -> np.ndarray
         try:
             _pools[key] = np.ascontiguousarray(_core.quantize_rows(int(type_id), x, None, THREADS))
         except (ValueError, RuntimeError) as e:
+            import pytest
+
             pytest.skip(f"type {type_id}: no quantizer to make weights ({e})")
     pool = _pools[key]
     if pool.shape[0] >= rows:
@@ -144,3 +153,86 @@ def record(benchmark, group: str, case: str, **fields) -> None:
     if "frac_of_dram" in fields and DRAM_GBPS:
         benchmark.extra_info["dram_GB_s"] = round(DRAM_GBPS[0], 2)
     RESULTS.append({"group": group, "case": case, "ms": sec * 1e3, **fields})
+
+
+# ------------------------------------------------------------------------------------------------
+# llama-bench (mainline llama.cpp and ik_llama.cpp) for the end-to-end scripts
+
+
+# The ik_llama.cpp columns: its llama-bench without and with run-time repacking (-rtr takes one
+# value per run, so each is its own run). The ratios are taken against IK_BEST.
+IK_RTR = (0, 1)
+IK_BEST = 1
+
+
+def llama_env(binary: str) -> dict:
+    """The environment for a shared-library llama.cpp build: its bin/ on LD_LIBRARY_PATH."""
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.path.dirname(os.path.abspath(binary)) + ":" + env.get("LD_LIBRARY_PATH", "")
+    return env
+
+
+def run_llama_bench(binary: str, model: str, threads: int, args: list, log_path=None) -> list[dict]:
+    """The JSON rows of `binary -m model -t threads ARGS -o json`. With log_path its stderr (all of
+    it with -v in ARGS) goes to that file; a failure raises with the last lines of it."""
+    cmd = [binary, "-m", model, "-t", str(threads), *map(str, args), "-o", "json"]
+    if log_path:
+        with open(log_path, "w") as err:
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=llama_env(binary),
+                                 stdin=subprocess.DEVNULL)
+        tail = "\n".join(open(log_path, errors="replace").read().splitlines()[-10:])
+    else:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(binary), stdin=subprocess.DEVNULL)
+        tail = out.stderr[-2000:]
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:1] + [str(a) for a in args])} failed ({out.returncode}): {tail}")
+    return json.loads(out.stdout)
+
+
+def _build(row: dict) -> str:
+    return f"{row.get('build_commit', '?')} ({row.get('build_number', '?')})"
+
+
+def measure_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen: int, reps: int,
+                        extra=()) -> dict:
+    """pp and tg tok/s (mean and sd over -r reps) from `llama-bench -p N -n M -r R [extra]`."""
+    res = {}
+    for row in run_llama_bench(binary, model, threads, ["-p", n_prompt, "-n", n_gen, "-r", reps, *extra]):
+        key = "pp" if row["n_prompt"] > 0 else "tg"
+        res[key] = row["avg_ts"]
+        res[key + "_sd"] = row["stddev_ts"]
+        res["build"] = _build(row)
+    return res
+
+
+def measure_llama_depth(binary: str, model: str, threads: int, depths: list[int], n_gen: int, reps: int,
+                        extra=(), ik: bool = False, log_path=None, verbose: bool = False) -> dict:
+    """{depth: {"tg", "tg_sd", "samples"}}: decode of n_gen tokens after `depth` tokens of context,
+    which llama-bench fills untimed; all depths in one run. Mainline: `-p 0 -n n_gen -d N1,N2,...`
+    (rows with n_prompt 0, depth in n_depth). ik_llama.cpp (ik=True): `-p 0 -n 0 -gp N1,n_gen -gp
+    N2,n_gen ...` (rows "tgM@ppN": n_prompt N, only the n_gen tokens timed)."""
+    if ik:
+        args = ["-p", 0, "-n", 0]
+        for d in depths:
+            args += ["-gp", f"{d},{n_gen}"]
+    else:
+        args = ["-p", 0, "-n", n_gen, "-d", ",".join(str(d) for d in depths)]
+    args += ["-r", reps, *extra] + (["-v"] if verbose else [])
+    res = {}
+    for row in run_llama_bench(binary, model, threads, args, log_path):
+        if row["n_gen"] <= 0:
+            continue
+        if ik:
+            d = int(row["n_prompt"])
+        elif row["n_prompt"] == 0:
+            d = int(row.get("n_depth", 0))
+        else:
+            continue
+        res[d] = {"tg": row["avg_ts"], "tg_sd": row["stddev_ts"], "samples": row.get("samples_ts"),
+                  "build": _build(row)}
+    return res
+
+
+def ik_args(rtr: int) -> list:
+    """The extra llama-bench arguments of ik_llama.cpp's column `rtr`."""
+    return ["-rtr", rtr]

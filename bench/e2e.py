@@ -2,7 +2,7 @@
 """End-to-end speed of TensorFold on a GGUF, optionally side by side with llama.cpp.
 
     python bench/e2e.py [--model PATH] [--threads 2] [--llama-bench /path/to/llama-bench]
-                        [--bandwidth] [--no-tensorfold]
+                        [--ik-bench /path/to/ik_llama.cpp/llama-bench] [--bandwidth] [--no-tensorfold]
 
 Reports, for the same file and thread count:
   prefill tok/s  (a 512-token prompt, like `llama-bench -p 512`)
@@ -10,23 +10,29 @@ Reports, for the same file and thread count:
   start-up to first token (a fresh process: import, load, first token)
 and the ratios TensorFold / llama.cpp when --llama-bench is given.
 
+--ik-bench adds ik_llama.cpp (github.com/ikawrakow/ik_llama.cpp, the CPU-first fork) as a third
+engine: its llama-bench with the same -p / -n / -r / -t, once with -rtr 0 and once with -rtr 1
+(run-time repacking, its best CPU setting), and the ratio TensorFold / ik_llama.cpp -rtr 1.
+
 --bandwidth adds decode effective bandwidth: the bytes of weights one decoded token must read
 (every non-expert weight, the LM head, one row of token_embd, and of each MoE layer's expert
 tensors the fraction n_used / n_expert) times decode tok/s, for each engine, and that as a
 fraction of the machine's DRAM read bandwidth measured in the same run
 (tensorfold._core.kernels_read_bytes streaming a >= 2 GiB buffer, best of 3).
---no-tensorfold measures only llama.cpp (and the bandwidth), e.g. for a model TensorFold
-cannot load yet.
+--no-tensorfold measures only the llama.cpp peers (and the bandwidth), e.g. for a model
+TensorFold cannot load yet.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import IK_BEST, IK_RTR, ik_args, measure_llama_bench  # noqa: E402, F401 (measure_llama_bench: re-exported)
 
 
 def measure_tensorfold(model: str, threads: int, n_prompt: int, n_gen: int, reps: int, backend: str = "cpu") -> dict:
@@ -128,23 +134,6 @@ def measure_dram_read(threads: int, gib: float = 2.0, reps: int = 3) -> float:
     return best
 
 
-def measure_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict:
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.path.dirname(os.path.abspath(binary)) + ":" + env.get("LD_LIBRARY_PATH", "")
-    cmd = [binary, "-m", model, "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
-           "-r", str(reps), "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr[-2000:]}")
-    res = {}
-    for row in json.loads(out.stdout):
-        key = "pp" if row["n_prompt"] > 0 else "tg"
-        res[key] = row["avg_ts"]
-        res[key + "_sd"] = row["stddev_ts"]
-        res["build"] = f"{row.get('build_commit', '?')} ({row.get('build_number', '?')})"
-    return res
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF path (default: the pulled SmolLM2 model)")
@@ -153,14 +142,16 @@ def main() -> int:
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--llama-bench", default=None, help="path of a llama-bench binary to compare against")
+    ap.add_argument("--ik-bench", default=None,
+                    help="path of ik_llama.cpp's llama-bench: adds its -rtr 0 and -rtr 1 columns")
     ap.add_argument("--no-startup", action="store_true", help="skip the start-up measurement")
     ap.add_argument("--bandwidth", action="store_true",
                     help="report decode effective bandwidth vs measured DRAM read bandwidth")
     ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the DRAM probe buffer")
-    ap.add_argument("--no-tensorfold", action="store_true", help="measure llama.cpp only")
+    ap.add_argument("--no-tensorfold", action="store_true", help="measure the llama.cpp peers only")
     a = ap.parse_args()
-    if a.no_tensorfold and not a.llama_bench and not a.bandwidth:
-        ap.error("--no-tensorfold leaves nothing to measure without --llama-bench or --bandwidth")
+    if a.no_tensorfold and not a.llama_bench and not a.ik_bench and not a.bandwidth:
+        ap.error("--no-tensorfold leaves nothing to measure without --llama-bench, --ik-bench or --bandwidth")
 
     import tensorfold
 
@@ -178,16 +169,26 @@ def main() -> int:
                   "(use --no-tensorfold to measure llama.cpp only)", file=sys.stderr)
             return 2
     lc = measure_llama_bench(a.llama_bench, model, a.threads, a.n_prompt, a.n_gen, a.reps) if a.llama_bench else None
+    ik = {rtr: measure_llama_bench(a.ik_bench, model, a.threads, a.n_prompt, a.n_gen, a.reps, ik_args(rtr))
+          for rtr in IK_RTR} if a.ik_bench else {}
 
     def cell(r, key):
         return f"{r[key]:.1f} ± {r[key + '_sd']:.1f}" if r else "-"
 
-    print(f"\n{'test':<12}{'TensorFold tok/s':>20}{'llama.cpp tok/s':>20}{'ratio':>10}")
+    def ratio(x, y, key):
+        return f"{x[key] / y[key]:>9.2f}x" if x and y else f"{'-':>10}"
+
+    ik_hdr = "".join(f"{f'ik -rtr {rtr} tok/s':>20}" for rtr in IK_RTR) + f"{f'TF/ik{IK_BEST}':>10}" if ik else ""
+    print(f"\n{'test':<12}{'TensorFold tok/s':>20}{'llama.cpp tok/s':>20}{'ratio':>10}{ik_hdr}")
     for key, name in (("pp", f"pp{a.n_prompt}"), ("tg", f"tg{a.n_gen}")):
-        ratio = f"{tf[key] / lc[key]:>9.2f}x" if tf and lc else f"{'-':>10}"
-        print(f"{name:<12}{cell(tf, key):>20}{cell(lc, key):>20}{ratio}")
+        ik_cells = "".join(f"{cell(ik[rtr], key):>20}" for rtr in IK_RTR) + ratio(tf, ik[IK_BEST], key) if ik else ""
+        print(f"{name:<12}{cell(tf, key):>20}{cell(lc, key):>20}{ratio(tf, lc, key)}{ik_cells}")
+    if ik:
+        print(f"ratio = TensorFold / llama.cpp; TF/ik{IK_BEST} = TensorFold / ik_llama.cpp -rtr {IK_BEST}")
     if lc:
         print(f"llama.cpp build: {lc['build']}")
+    if ik:
+        print(f"ik_llama.cpp build: {ik[IK_BEST]['build']}")
     if a.bandwidth:
         moe = (f", experts {acct['experts'] / 1e6:.1f} MB = {acct['n_used']}/{acct['n_expert']} "
                f"of {acct['experts_all'] / 1e6:.1f} MB" if acct["n_expert"] else "")
@@ -196,7 +197,7 @@ def main() -> int:
         print(f"DRAM read bandwidth: {dram / 1e9:.2f} GB/s "
               f"(kernels_read_bytes, {a.bandwidth_gib:g} GiB buffer, {a.threads} threads, best of 3)")
         print(f"{'decode':<12}{'tok/s':>10}{'effective GB/s':>18}{'of DRAM':>10}")
-        for label, r in (("TensorFold", tf), ("llama.cpp", lc)):
+        for label, r in (("TensorFold", tf), ("llama.cpp", lc), *((f"ik -rtr {k}", v) for k, v in ik.items())):
             if r:
                 eff = acct["total"] * r["tg"]
                 print(f"{label:<12}{r['tg']:>10.1f}{eff / 1e9:>18.2f}{eff / dram:>9.0%}")

@@ -8,6 +8,7 @@ depth, KV cache bytes — both engines, same files, same threads, one run.
     python bench/e2e_deepseek4.py --llama-bench $LLAMA_BIN/llama-bench \\
         /tmp/ds4b/synth-ds4-{Q2_K,Q4_K_M}.gguf --json /tmp/ds4b/e2e.json
     # quicker: --depth 4096 16384 --depth-reps 2 (or --no-depth)
+    # + ik_llama.cpp (-rtr 0 and -rtr 1 columns): --ik-bench /path/to/ik_llama.cpp/build/bin/llama-bench
 
 Per file, in this order:
 
@@ -21,6 +22,11 @@ Per file, in this order:
 3. `llama-bench -p 512 -n 64 -r R -t T` on the file; then for each depth N
    `llama-bench -p 0 -n 64 -d N -r R_N -t T -v` (llama-bench fills the depth untimed; -v so that
    the log of the largest depth gives llama.cpp's cache sizes).
+4. With --ik-bench (ik_llama.cpp's llama-bench, github.com/ikawrakow/ik_llama.cpp), for -rtr 0 and
+   then -rtr 1 (run-time repacking, its best CPU setting): `llama-bench -p 512 -n 64 -r R -t T
+   -rtr X`, then per depth `llama-bench -p 0 -n 0 -gp N,64 -r R_N -t T -rtr X -v` (ik's
+   llama-bench has no -d; -gp fills N tokens untimed and times the 64). Its columns sit beside
+   llama.cpp's with the ratio TensorFold / ik -rtr 1; its KV cache is not parsed (logs kept).
 
 Reported: tok/s of both, the ratio TensorFold / llama.cpp, each engine's decode at the largest
 depth over its decode at 0 (the 1-token-prompt tg), decode effective weight bandwidth (bench/e2e.py's
@@ -59,8 +65,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import decode_bytes_per_token, measure_dram_read, measure_llama_bench, measure_tensorfold  # noqa: E402
-from e2e_formats import _llama_env, label_of  # noqa: E402
+import _common  # noqa: E402
+from _common import IK_BEST, IK_RTR, ik_args, measure_llama_bench  # noqa: E402
+from e2e import decode_bytes_per_token, measure_dram_read, measure_tensorfold  # noqa: E402
+from e2e_formats import label_of  # noqa: E402
 
 CSA, HCA = 4, 128
 
@@ -204,26 +212,22 @@ def measure_tensorfold_depth(model: str, threads: int, depths: list[int], reps: 
 
 
 def measure_llama_depth(binary: str, model: str, threads: int, depth: int, n_gen: int, reps: int,
-                        log_path: Path | None) -> dict:
-    """tg at one depth from `llama-bench -p 0 -n n_gen -d depth -r reps -v` (its log kept for the
-    KV cache lines)."""
-    cmd = [binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(n_gen), "-d", str(depth),
-           "-r", str(reps), "-o", "json", "-v"]
-    with open(log_path or os.devnull, "w") as err:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=_llama_env(binary))
-    if out.returncode != 0:
-        tail = Path(log_path).read_text(errors="replace").splitlines()[-10:] if log_path else []
-        raise RuntimeError(f"llama-bench -d {depth} failed ({out.returncode}): " + "\n".join(tail))
-    for row in json.loads(out.stdout):
-        if row["n_gen"] > 0 and row["n_prompt"] == 0 and int(row.get("n_depth", 0)) == depth:
-            return {"tg": row["avg_ts"], "tg_sd": row["stddev_ts"], "samples": row.get("samples_ts")}
-    raise RuntimeError(f"llama-bench -d {depth}: no tg row in its output")
+                        log_path: Path | None, extra=(), ik: bool = False) -> dict:
+    """tg at one depth from `llama-bench -p 0 -n n_gen -d depth -r reps -v` (ik_llama.cpp: `-p 0
+    -n 0 -gp depth,n_gen`; its log kept for the KV cache lines)."""
+    res = _common.measure_llama_depth(binary, model, threads, [depth], n_gen, reps, extra, ik=ik,
+                                      log_path=log_path, verbose=True)
+    if depth not in res:
+        raise RuntimeError(f"llama-bench depth {depth}: no tg row in its output")
+    return res[depth]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+", help="deepseek4 GGUF files")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama-bench binary (env LLAMA_BENCH)")
+    ap.add_argument("--ik-bench", default=os.environ.get("IK_BENCH"),
+                    help="ik_llama.cpp's llama-bench (env IK_BENCH): adds its -rtr 0 / -rtr 1 columns")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=64)
@@ -274,6 +278,7 @@ def main() -> int:
         kvm = kv_model(m)
         row = {"file": m, "format": label, "file_bytes": acct["file"], "decode_bytes_per_token": acct["total"],
                "kv_model": kvm, "tensorfold": None, "llama_cpp": None, "tf_depth": {}, "lc_depth": {},
+               "ik": {}, "ik_depth": {rtr: {} for rtr in IK_RTR},
                "tf_kv": None, "lc_kv": None, "errors": {}}
         print(f"\n== {label}: {m} ({acct['file'] / 1e9:.2f} GB, {acct['total'] / 1e6:.1f} MB weights per decoded "
               f"token; ratios {kvm['ratios']})", flush=True)
@@ -313,6 +318,28 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001
                     row["errors"][f"llama_cpp_d{d}"] = f"{type(e).__name__}: {e}"
                     print(f"    llama.cpp depth {d} failed: {e}", flush=True)
+        for rtr in IK_RTR if a.ik_bench else ():
+            t0 = time.perf_counter()
+            try:
+                ik = row["ik"][rtr] = measure_llama_bench(a.ik_bench, m, a.threads, a.n_prompt, a.n_gen, a.reps,
+                                                          ik_args(rtr))
+                print(f"  ik -rtr {rtr}  pp{a.n_prompt} {ik['pp']:.1f} tg{a.n_gen} {ik['tg']:.2f} tok/s "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            except Exception as e:  # noqa: BLE001
+                row["errors"][f"ik_rtr{rtr}"] = f"{type(e).__name__}: {e}"
+                print(f"  ik_llama.cpp -rtr {rtr} failed: {row['errors'][f'ik_rtr{rtr}']}", flush=True)
+                continue
+            for d, r in zip(depths, dreps):
+                t0 = time.perf_counter()
+                log = log_dir / f"ik-llama-bench-{Path(m).stem}-rtr{rtr}-d{d}.log"
+                try:
+                    x = row["ik_depth"][rtr][d] = measure_llama_depth(a.ik_bench, m, a.threads, d, a.n_gen, r, log,
+                                                                      ik_args(rtr), ik=True)
+                    print(f"    ik -rtr {rtr} depth {d}: decode {x['tg']:.2f} tok/s "
+                          f"({r} rep, {time.perf_counter() - t0:.0f} s; log {log})", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    row["errors"][f"ik_rtr{rtr}_d{d}"] = f"{type(e).__name__}: {e}"
+                    print(f"    ik -rtr {rtr} depth {d} failed: {e}", flush=True)
         rows.append(row)
     dram1 = measure_dram_read(a.threads, a.bandwidth_gib)
     dram = max(dram0, dram1)
@@ -330,45 +357,63 @@ def main() -> int:
     print(f"DRAM read bandwidth: {dram0 / 1e9:.2f} GB/s before, {dram1 / 1e9:.2f} GB/s after "
           f"(kernels_read_bytes, {a.bandwidth_gib:g} GiB buffer, {a.threads} threads, best of 3); "
           f"load average {load0[0]:.2f} -> {load1[0]:.2f}; wall {time.perf_counter() - t_start:.0f} s")
-    hdr = f"{'file':<8}{'test':<14} | {'TensorFold':>16} | {'llama.cpp':>16} | {'TF/llama':>8}"
+    ik_on = bool(a.ik_bench)
+    hdr = (f"{'file':<8}{'test':<14} | {'TensorFold':>16} | {'llama.cpp':>16} | {'TF/llama':>8}"
+           + "".join(f" | {f'ik -rtr {rtr}':>16}" for rtr in IK_RTR if ik_on)
+           + (f" | {f'TF/ik{IK_BEST}':>8}" if ik_on else ""))
     print("\n" + hdr + "\n" + "-" * len(hdr))
+
+    def cell(r, k="tg"):
+        return f"{r[k]:.2f} ± {r[k + '_sd']:.2f}" if r else "-"
+
     for row in rows:
         tf, lc = row["tensorfold"], row["llama_cpp"]
         lines = []
         for k, name in (("pp", f"pp{a.n_prompt}"), ("tg", f"tg{a.n_gen}")):
             x = tf[k] if tf else None
             y = lc[k] if lc else None
-            sx = f"{x:.2f} ± {tf[k + '_sd']:.2f}" if x is not None else "-"
-            sy = f"{y:.2f} ± {lc[k + '_sd']:.2f}" if y is not None else "-"
-            lines.append((name, sx, sy, ratio(x, y)))
+            iks = [row["ik"].get(rtr) for rtr in IK_RTR]
+            ikb = row["ik"].get(IK_BEST)
+            lines.append((name, cell(tf, k), cell(lc, k), ratio(x, y), [cell(r, k) for r in iks],
+                          ratio(x, ikb and ikb[k])))
         for d in depths:
             x = row["tf_depth"].get(d)
             y = row["lc_depth"].get(d)
-            sx = f"{x['tg']:.2f} ± {x['tg_sd']:.2f}" if x else "-"
-            sy = f"{y['tg']:.2f} ± {y['tg_sd']:.2f}" if y else "-"
-            lines.append((f"tg{a.n_gen} @ d{d}", sx, sy, ratio(x and x["tg"], y and y["tg"])))
-        for name, sx, sy, r in lines:
-            print(f"{row['format']:<8}{name:<14} | {sx:>16} | {sy:>16} | {r:>8}")
+            ikb = row["ik_depth"][IK_BEST].get(d)
+            lines.append((f"tg{a.n_gen} @ d{d}", cell(x), cell(y), ratio(x and x["tg"], y and y["tg"]),
+                          [cell(row["ik_depth"][rtr].get(d)) for rtr in IK_RTR], ratio(x and x["tg"], ikb and ikb["tg"])))
+        for name, sx, sy, r, siks, rik in lines:
+            print(f"{row['format']:<8}{name:<14} | {sx:>16} | {sy:>16} | {r:>8}"
+                  + ("".join(f" | {si:>16}" for si in siks) + f" | {rik:>8}" if ik_on else ""))
         if depths:
             dm = max(depths)
             x, y = row["tf_depth"].get(dm), row["lc_depth"].get(dm)
             tf0, lc0 = (tf["tg"] if tf else None), (lc["tg"] if lc else None)
+            iks = ""
+            for rtr in IK_RTR if ik_on else ():
+                ikd, ik0 = row["ik_depth"][rtr].get(dm), row["ik"].get(rtr)
+                iks += f" | {ratio(ikd and ikd['tg'], ik0 and ik0['tg']):>16}"
             print(f"{row['format']:<8}{f'd{dm} / d0':<14} | {ratio(x and x['tg'], tf0):>16} | "
-                  f"{ratio(y and y['tg'], lc0):>16} |")
+                  f"{ratio(y and y['tg'], lc0):>16} |" + (f"{'':>9}{iks} |" if ik_on else ""))
             print(f"{row['format']:<8}{'TF prefill @d':<14} | "
                   + ", ".join(f"d{d} {row['tf_depth'][d]['pp']:.1f}" for d in depths if d in row["tf_depth"])
                   + " tok/s (chunked prefill of the depth prompt; llama-bench does not time its own)")
         print("-" * len(hdr))
     print("tok/s, mean ± sd over the repetitions; TF/llama > 1: TensorFold faster. "
-          f"tg{a.n_gen} @ dN: {a.n_gen} tokens decoded after N tokens of context (prefill not timed).")
+          f"tg{a.n_gen} @ dN: {a.n_gen} tokens decoded after N tokens of context (prefill not timed)."
+          + (f" ik -rtr 0 / 1: ik_llama.cpp without / with run-time repacking; TF/ik{IK_BEST}: TensorFold / "
+             f"ik -rtr {IK_BEST}." if ik_on else ""))
 
-    print(f"\n{'file':<8}{'weights MB/tok':>15}{'TF GB/s':>9}{'of DRAM':>8}{'llama GB/s':>11}{'of DRAM':>8}{'bound tok/s':>12}")
+    print(f"\n{'file':<8}{'weights MB/tok':>15}{'TF GB/s':>9}{'of DRAM':>8}{'llama GB/s':>11}{'of DRAM':>8}"
+          + (f"{f'ik{IK_BEST} GB/s':>10}{'of DRAM':>8}" if ik_on else "") + f"{'bound tok/s':>12}")
     for row in rows:
         b = row["decode_bytes_per_token"]
-        tf, lc = row["tensorfold"], row["llama_cpp"]
+        tf, lc, ik = row["tensorfold"], row["llama_cpp"], row["ik"].get(IK_BEST)
         print(f"{row['format']:<8}{b / 1e6:>15.1f}"
               f"{f(tf and b * tf['tg'] / 1e9):>9}{f(tf and b * tf['tg'] / dram, '{:.0%}'):>8}"
-              f"{f(lc and b * lc['tg'] / 1e9):>11}{f(lc and b * lc['tg'] / dram, '{:.0%}'):>8}{dram / b:>12.1f}")
+              f"{f(lc and b * lc['tg'] / 1e9):>11}{f(lc and b * lc['tg'] / dram, '{:.0%}'):>8}"
+              + (f"{f(ik and b * ik['tg'] / 1e9):>10}{f(ik and b * ik['tg'] / dram, '{:.0%}'):>8}" if ik_on else "")
+              + f"{dram / b:>12.1f}")
 
     print("\nKV cache (F16), bytes per token of context / fixed bytes per sequence:")
     for row in rows:
@@ -395,6 +440,8 @@ def main() -> int:
             print(f"error ({row['format']}, {k}): {v}")
     if any(r["llama_cpp"] for r in rows):
         print(f"llama.cpp build: {next(r['llama_cpp']['build'] for r in rows if r['llama_cpp'])}")
+    if any(r["ik"] for r in rows):
+        print(f"ik_llama.cpp build: {next(next(iter(r['ik'].values()))['build'] for r in rows if r['ik'])}")
     if a.json:
         Path(a.json).write_text(json.dumps({
             "machine": mach, "threads": a.threads, "n_prompt": a.n_prompt, "n_gen": a.n_gen, "reps": a.reps,

@@ -5,6 +5,7 @@ engine's effective decode bandwidth as a share of the DRAM read bandwidth measur
     LB=/tmp/dl/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-bench
     python bench/e2e_formats.py --llama-bench $LB /tmp/synth-moe-{Q2_K,Q4_K_M,IQ2_XXS,IQ3_XXS,IQ4_XS}.gguf
     python bench/e2e_formats.py --llama-bench $LB /tmp/dsb/synth-ds2-{Q2_K,Q4_K_M}.gguf --depth 0 4096 16384
+    python bench/e2e_formats.py --llama-bench $LB --ik-bench $IKB FILES...     # + ik_llama.cpp columns
 
 (the files come from bench/make_quantized_moe.py: a synthetic qwen3moe, or with --model deepseek2
 a DeepSeek-V3-like deepseek2, larger than the L3, quantized by llama.cpp's llama-quantize). For each file, in order: TensorFold prefill of
@@ -33,8 +34,14 @@ token, then the next --n-gen tokens are timed (prefill excluded; its tok/s is ke
 The depth table also gives the KV cache each engine reads per decoded token at that depth
 (N x KV bytes per token), to set beside the weight bytes per token.
 
+--ik-bench PATH (ik_llama.cpp's llama-bench, github.com/ikawrakow/ik_llama.cpp) adds that engine
+after llama.cpp on each file: the same `-p N -n M -r R -t T`, once with -rtr 0 and once with
+-rtr 1 (run-time repacking, its best CPU setting), and at depth `-p 0 -n 0 -gp N1,M -gp N2,M ...`
+(ik's llama-bench has no -d; -gp fills N tokens untimed and times M). Its columns: pp / tg tok/s
+of both, TensorFold / ik -rtr 1, and the decode bandwidth of -rtr 1. Its KV cache is not probed.
+
 A file TensorFold cannot load is reported (with the reason) and measured on llama.cpp only;
---no-tensorfold measures llama.cpp only. --json PATH also writes the numbers as JSON.
+--no-tensorfold measures the llama.cpp peers only. --json PATH also writes the numbers as JSON.
 Run it on a quiet machine (check `uptime`), one benchmark at a time.
 """
 from __future__ import annotations
@@ -51,7 +58,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import decode_bytes_per_token, measure_dram_read, measure_llama_bench, measure_tensorfold  # noqa: E402
+from _common import IK_BEST, IK_RTR, ik_args, llama_env, measure_llama_bench, measure_llama_depth  # noqa: E402
+from e2e import decode_bytes_per_token, measure_dram_read, measure_tensorfold  # noqa: E402
 
 
 def label_of(path: str) -> str:
@@ -67,26 +75,6 @@ def label_of(path: str) -> str:
     except Exception:  # noqa: BLE001 - a label is not worth failing for
         ft = -1
     return names.get(ft, Path(path).stem)
-
-
-def _llama_env(binary: str) -> dict:
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.path.dirname(os.path.abspath(binary)) + ":" + env.get("LD_LIBRARY_PATH", "")
-    return env
-
-
-def measure_llama_depth(binary: str, model: str, threads: int, depths: list[int], n_gen: int, reps: int) -> dict:
-    """{depth: {"tg", "tg_sd"}} from one `llama-bench -p 0 -n n_gen -d N1,N2,... -r reps` run."""
-    cmd = [binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(n_gen),
-           "-d", ",".join(str(d) for d in depths), "-r", str(reps), "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_llama_env(binary))
-    if out.returncode != 0:
-        raise RuntimeError(f"llama-bench -d failed ({out.returncode}): {out.stderr[-2000:]}")
-    res = {}
-    for row in json.loads(out.stdout):
-        if row["n_gen"] > 0 and row["n_prompt"] == 0:
-            res[int(row.get("n_depth", 0))] = {"tg": row["avg_ts"], "tg_sd": row["stddev_ts"]}
-    return res
 
 
 def measure_tensorfold_depth(model: str, threads: int, depths: list[int], n_gen: int, reps: int) -> dict:
@@ -145,7 +133,7 @@ def llama_kv_bytes_per_token(llama_bench: str, completion: str | None, model: st
     else:
         tool = llama_bench
         cmd = [llama_bench, "-m", model, "-t", str(threads), "-p", "0", "-n", "1", "-r", "1", "-v"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_llama_env(tool), stdin=subprocess.DEVNULL)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=llama_env(tool), stdin=subprocess.DEVNULL)
     log = out.stdout + "\n" + out.stderr
     last = log.rsplit("constructing llama_context", 1)[-1]
     lines = [m for m in _KV_LINE.finditer(last)]
@@ -175,12 +163,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+", help="GGUF files")
     ap.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama-bench binary (env LLAMA_BENCH)")
+    ap.add_argument("--ik-bench", default=os.environ.get("IK_BENCH"),
+                    help="ik_llama.cpp's llama-bench (env IK_BENCH): adds its -rtr 0 / -rtr 1 columns")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bandwidth-gib", type=float, default=2.0, help="size of the DRAM probe buffer")
-    ap.add_argument("--no-tensorfold", action="store_true", help="measure llama.cpp only")
+    ap.add_argument("--no-tensorfold", action="store_true", help="measure the llama.cpp peers only")
     ap.add_argument("--depth", type=int, nargs="+", default=None, metavar="N",
                     help="also measure decode (--n-gen tokens) after N tokens of context, for each N "
                          "(give it after the GGUF files, or end the list with --)")
@@ -191,8 +181,8 @@ def main() -> int:
                     help="context (-c) of that llama-completion run (default 16384)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = ap.parse_args()
-    if not a.llama_bench and a.no_tensorfold:
-        ap.error("nothing to measure: give --llama-bench or drop --no-tensorfold")
+    if not a.llama_bench and not a.ik_bench and a.no_tensorfold:
+        ap.error("nothing to measure: give --llama-bench / --ik-bench or drop --no-tensorfold")
     if a.depth and any(d < 0 for d in a.depth):
         ap.error("--depth values must be >= 0")
     if a.depth:
@@ -215,9 +205,10 @@ def main() -> int:
         label = label_of(m)
         acct = decode_bytes_per_token(m)
         row = {"file": m, "format": label, "file_bytes": acct["file"], "decode_bytes_per_token": acct["total"],
-               "tensorfold": None, "llama_cpp": None, "tensorfold_error": None,
+               "tensorfold": None, "llama_cpp": None, "ik_llama_cpp": {}, "tensorfold_error": None,
                "kv_bytes_per_token": {"tensorfold": None, "llama_cpp": None},
-               "depth": [{"depth": d, "tensorfold": None, "llama_cpp": None} for d in (a.depth or [])]}
+               "depth": [{"depth": d, "tensorfold": None, "llama_cpp": None, "ik_llama_cpp": {}}
+                         for d in (a.depth or [])]}
         print(f"\n== {label}: {m} ({acct['file'] / 1e9:.2f} GB, {acct['total'] / 1e6:.1f} MB read per decoded token)",
               flush=True)
         if not a.no_tensorfold:
@@ -273,6 +264,29 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001
                 row["llama_cpp_kv_error"] = f"{type(e).__name__}: {e}"
                 print(f"  llama.cpp KV size not found: {row['llama_cpp_kv_error']}", flush=True)
+        for rtr in IK_RTR if a.ik_bench else ():
+            t0 = time.perf_counter()
+            try:
+                r = row["ik_llama_cpp"][rtr] = measure_llama_bench(a.ik_bench, m, a.threads, a.n_prompt, a.n_gen,
+                                                                   a.reps, ik_args(rtr))
+                print(f"  ik -rtr {rtr}  pp {r['pp']:.1f} tg {r['tg']:.2f} tok/s ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001
+                row[f"ik_llama_cpp_rtr{rtr}_error"] = f"{type(e).__name__}: {e}"
+                print(f"  ik_llama.cpp -rtr {rtr} failed: {row[f'ik_llama_cpp_rtr{rtr}_error']}", flush=True)
+                continue
+            if a.depth:
+                t0 = time.perf_counter()
+                try:
+                    ikd = measure_llama_depth(a.ik_bench, m, a.threads, a.depth, a.n_gen, a.reps, ik_args(rtr), ik=True)
+                    for e in row["depth"]:
+                        if e["depth"] in ikd:
+                            e["ik_llama_cpp"][rtr] = ikd[e["depth"]]
+                    print(f"  ik -rtr {rtr}  tg at depth " + ", ".join(f"{d} {r['tg']:.2f}" for d, r in sorted(ikd.items()))
+                          + f" tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    row[f"ik_llama_cpp_rtr{rtr}_depth_error"] = f"{type(e).__name__}: {e}"
+                    print(f"  ik_llama.cpp -rtr {rtr} at depth failed: {e}", flush=True)
         rows.append(row)
     dram1 = measure_dram_read(a.threads, a.bandwidth_gib)
     dram = max(dram0, dram1)
@@ -287,7 +301,7 @@ def main() -> int:
         return f"{tf[k] / lc[k]:.2f}x" if tf and lc else "-"
 
     def share(row, who):
-        r = row[who]
+        r = row[who] if who != "ik" else row["ik_llama_cpp"].get(IK_BEST)
         if not r:
             return "-"
         eff = row["decode_bytes_per_token"] * r["tg"]
@@ -299,17 +313,36 @@ def main() -> int:
         v = row["kv_bytes_per_token"][who]
         return str(v) if v is not None else "-"
 
-    hdr = (f"{'format':<10}{'file GB':>8}{'MB/tok':>8} | {'pp TF':>8}{'pp llama':>9}{'ratio':>7} | "
-           f"{'tg TF':>7}{'tg llama':>9}{'ratio':>7} | {'TF decode bw':>17} | {'llama decode bw':>17} | "
-           f"{'KV B/tok TF':>11}{'llama':>7}")
+    ik_on = bool(a.ik_bench)
+
+    def ik_cells(r, k, fmt, w):
+        """The ik columns of one test of a row (or depth entry) r: -rtr 0, -rtr 1, TF / ik -rtr IK_BEST."""
+        if not ik_on:
+            return ""
+        ik, tf = r["ik_llama_cpp"], r["tensorfold"]
+        best = ik.get(IK_BEST)
+        x = f"{tf[k] / best[k]:.2f}x" if tf and best else "-"
+        return "".join(f"{f(ik.get(rtr), k, fmt):>{w}}" for rtr in IK_RTR) + f"{x:>7}"
+
+    def ik_hdr(k, w):
+        return "".join(f"{f'{k} ik{rtr}':>{w}}" for rtr in IK_RTR) + f"{f'/ik{IK_BEST}':>7}" if ik_on else ""
+
+    hdr = (f"{'format':<10}{'file GB':>8}{'MB/tok':>8} | {'pp TF':>8}{'pp llama':>9}{'ratio':>7}{ik_hdr('pp', 9)} | "
+           f"{'tg TF':>7}{'tg llama':>9}{'ratio':>7}{ik_hdr('tg', 8)} | {'TF decode bw':>17} | {'llama decode bw':>17} | "
+           + (f"{f'ik{IK_BEST} decode bw':>17} | " if ik_on else "") + f"{'KV B/tok TF':>11}{'llama':>7}")
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for row in rows:
         tf, lc = row["tensorfold"], row["llama_cpp"]
         print(f"{row['format']:<10}{row['file_bytes'] / 1e9:>8.2f}{row['decode_bytes_per_token'] / 1e6:>8.1f} | "
-              f"{f(tf, 'pp'):>8}{f(lc, 'pp'):>9}{ratio(row, 'pp'):>7} | "
-              f"{f(tf, 'tg', '{:.2f}'):>7}{f(lc, 'tg', '{:.2f}'):>9}{ratio(row, 'tg'):>7} | "
+              f"{f(tf, 'pp'):>8}{f(lc, 'pp'):>9}{ratio(row, 'pp'):>7}{ik_cells(row, 'pp', '{:.1f}', 9)} | "
+              f"{f(tf, 'tg', '{:.2f}'):>7}{f(lc, 'tg', '{:.2f}'):>9}{ratio(row, 'tg'):>7}"
+              f"{ik_cells(row, 'tg', '{:.2f}', 8)} | "
               f"{share(row, 'tensorfold'):>17} | {share(row, 'llama_cpp'):>17} | "
-              f"{kv(row, 'tensorfold'):>11}{kv(row, 'llama_cpp'):>7}")
+              + (f"{share(row, 'ik'):>17} | " if ik_on else "")
+              + f"{kv(row, 'tensorfold'):>11}{kv(row, 'llama_cpp'):>7}")
+    if ik_on:
+        print(f"ik0 / ik1: ik_llama.cpp -rtr 0 / -rtr 1 tok/s; /ik{IK_BEST}: TensorFold / ik_llama.cpp -rtr {IK_BEST}; "
+              f"ratio: TensorFold / llama.cpp")
     print(f"bound: decode tok/s = DRAM bandwidth / MB per token, e.g. "
           + ", ".join(f"{r['format']} {dram / r['decode_bytes_per_token']:.1f}" for r in rows))
     if a.depth:
@@ -317,14 +350,15 @@ def main() -> int:
             v = row["kv_bytes_per_token"][who]
             return f"{v * d / 1e6:.1f}" if v is not None else "-"
 
-        hdr = (f"\n{'format':<10}{'depth':>7} | {'tg TF':>7}{'tg llama':>9}{'ratio':>7} | "
+        hdr = (f"\n{'format':<10}{'depth':>7} | {'tg TF':>7}{'tg llama':>9}{'ratio':>7}{ik_hdr('tg', 8)} | "
                f"{'KV MB/tok TF':>12}{'llama':>7}")
         print(hdr + "\n" + "-" * (len(hdr) - 1))
         for row in rows:
             for e in row["depth"]:
                 tf, lc, d = e["tensorfold"], e["llama_cpp"], e["depth"]
                 r = f"{tf['tg'] / lc['tg']:.2f}x" if tf and lc else "-"
-                print(f"{row['format']:<10}{d:>7} | {f(tf, 'tg', '{:.2f}'):>7}{f(lc, 'tg', '{:.2f}'):>9}{r:>7} | "
+                print(f"{row['format']:<10}{d:>7} | {f(tf, 'tg', '{:.2f}'):>7}{f(lc, 'tg', '{:.2f}'):>9}{r:>7}"
+                      f"{ik_cells(e, 'tg', '{:.2f}', 8)} | "
                       f"{kv_mb(row, 'tensorfold', d):>12}{kv_mb(row, 'llama_cpp', d):>7}")
         print(f"decode at depth N: --n-gen {a.n_gen} tokens after N tokens of context (prefill not timed); "
               "KV MB/tok = N x KV bytes per token, the cache one decoded token reads")
@@ -332,13 +366,17 @@ def main() -> int:
         if row["tensorfold_error"]:
             print(f"TensorFold could not run {row['format']}: {row['tensorfold_error']}")
         for k, who in (("tensorfold_depth_error", "TensorFold at depth"), ("llama_cpp_depth_error", "llama.cpp at depth"),
-                       ("llama_cpp_kv_error", "llama.cpp KV size")):
+                       ("llama_cpp_kv_error", "llama.cpp KV size"),
+                       *((f"ik_llama_cpp_rtr{rtr}{x}", f"ik_llama.cpp -rtr {rtr}{y}") for rtr in IK_RTR
+                         for x, y in (("_error", ""), ("_depth_error", " at depth")))):
             if row.get(k):
                 print(f"{who} failed on {row['format']}: {row[k]}")
         if row.get("tensorfold_kv_error") and not row["tensorfold_error"]:
             print(f"TensorFold KV bytes per token for {row['format']}: {row['tensorfold_kv_error']}")
     if any(r["llama_cpp"] for r in rows):
         print(f"llama.cpp build: {next(r['llama_cpp']['build'] for r in rows if r['llama_cpp'])}")
+    if any(r["ik_llama_cpp"] for r in rows):
+        print(f"ik_llama.cpp build: {next(next(iter(r['ik_llama_cpp'].values()))['build'] for r in rows if r['ik_llama_cpp'])}")
     if a.json:
         Path(a.json).write_text(json.dumps({"threads": a.threads, "n_prompt": a.n_prompt, "n_gen": a.n_gen,
                                             "reps": a.reps, "depths": a.depth or [], "dram_before": dram0,
