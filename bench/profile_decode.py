@@ -3,6 +3,7 @@
 backend wrapped by the profiling decorator, TENSORFOLD_PROFILE_OPS=1), per token.
 
     python bench/profile_decode.py [--model PATH] [--threads 2] [--n-gen 64] [--depth 0] [--json OUT]
+    python bench/profile_decode.py --prefill 512 [...]     # a 512-token prompt instead, per prompt token
 
 Prints one row per op (products split by weight type and shape class): calls and milliseconds per
 token, share of the step, and for products the weight bytes read per token and their rate against
@@ -22,6 +23,27 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def prefill_rate(model: str, threads: int, n_prompt: int, profiled: bool) -> tuple[float, int, dict]:
+    os.environ["TENSORFOLD_PROFILE_OPS"] = "1" if profiled else "0"
+    import numpy as np
+
+    import tensorfold
+    from tensorfold import _core
+
+    eng = tensorfold.Engine(model, threads=threads, context=n_prompt + 16, prefix_cache=False)
+    try:
+        vocab = eng.config["n_vocab"]
+        prompt = [int(t) for t in np.random.default_rng(0).integers(100, min(vocab, 30000), size=n_prompt)]
+        eng.generate(prompt, max_tokens=1, temperature=0, ignore_eos=True)  # warm-up
+        _core.reset_op_profile()
+        t0 = time.perf_counter()
+        eng.generate(prompt, max_tokens=1, temperature=0, ignore_eos=True)
+        dt = time.perf_counter() - t0
+        return n_prompt / dt, n_prompt, _core.op_profile()
+    finally:
+        eng.close()
 
 
 def decode_rate(model: str, threads: int, n_gen: int, depth: int, profiled: bool) -> tuple[float, int, dict]:
@@ -48,12 +70,24 @@ def decode_rate(model: str, threads: int, n_gen: int, depth: int, profiled: bool
         eng.close()
 
 
+def weights_per_byte(key: str) -> float:
+    """Weights per byte of the product's type (from the key "op TYPE class")."""
+    import gguf
+    t = getattr(gguf.GGMLQuantizationType, key.split()[1], None)
+    if t is None:
+        return 0.0
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    return block / size
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF path (default: the pulled SmolLM2 model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--depth", type=int, default=0, help="tokens in the cache before decoding (default 0)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="profile the prefill of an N-token prompt instead (figures per prompt token)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 
@@ -62,15 +96,22 @@ def main() -> int:
 
     model = a.model or tensorfold.pull()
     dram = measure_dram_read(a.threads)
-    plain_tps, _, _ = decode_rate(model, a.threads, a.n_gen, a.depth, profiled=False)
-    tps, n, prof = decode_rate(model, a.threads, a.n_gen, a.depth, profiled=True)
-    # Prefill-class entries belong to the prompt's last chunk: left out of the per-token figures.
-    rows = {k: v for k, v in prof.items() if not k.endswith("prefill")}
+    if a.prefill:
+        plain_tps, _, _ = prefill_rate(model, a.threads, a.prefill, profiled=False)
+        tps, n, rows = prefill_rate(model, a.threads, a.prefill, profiled=True)
+        what = f"prefill of {a.prefill} tokens"
+    else:
+        plain_tps, _, _ = decode_rate(model, a.threads, a.n_gen, a.depth, profiled=False)
+        tps, n, prof = decode_rate(model, a.threads, a.n_gen, a.depth, profiled=True)
+        # Prefill-class entries belong to the prompt's last chunk: left out of the per-token figures.
+        rows = {k: v for k, v in prof.items() if not k.endswith("prefill")}
+        what = f"decode at depth {a.depth}"
     step = 1.0 / tps
     total_ops = sum(v["seconds"] for v in rows.values()) / n
-    print(f"{os.path.basename(model)}: decode {tps:.1f} tok/s profiled ({plain_tps:.1f} plain), "
-          f"{a.threads} threads, depth {a.depth}; DRAM read {dram / 1e9:.1f} GB/s")
-    print(f"{'op':34s} {'calls/tok':>9s} {'ms/tok':>8s} {'share':>6s} {'MB/tok':>8s} {'GB/s':>6s} {'of DRAM':>7s}")
+    print(f"{os.path.basename(model)}: {what}, {tps:.1f} tok/s profiled ({plain_tps:.1f} plain), "
+          f"{a.threads} threads; DRAM read {dram / 1e9:.1f} GB/s")
+    print(f"{'op':34s} {'calls/tok':>9s} {'ms/tok':>8s} {'share':>6s} {'MB/tok':>8s} {'GB/s':>6s} {'of DRAM':>7s}"
+          f"{'  GFLOP/s' if a.prefill else ''}")
     weight_bytes = 0.0
     for key, v in sorted(rows.items(), key=lambda kv: -kv[1]["seconds"]):
         sec = v["seconds"] / n
@@ -79,13 +120,16 @@ def main() -> int:
         if v["weight_bytes"] and v["seconds"] > 0:
             gbs = v["weight_bytes"] / v["seconds"]
             rate = f"{mb:8.1f} {gbs / 1e9:6.1f} {gbs / dram:7.0%}"
+            if a.prefill and key.endswith("prefill"):  # every weight byte multiplies all prompt tokens: 2 flops per weight per token
+                rate += f" {2 * v['weight_bytes'] * weights_per_byte(key) * n / v['seconds'] / 1e9:8.1f}"
         else:
             rate = ""
         print(f"{key:34s} {v['calls'] / n:9.1f} {sec * 1e3:8.3f} {sec / step:6.1%} {rate}")
     print(f"{'outside the ops':34s} {'':9s} {(step - total_ops) * 1e3:8.3f} {(step - total_ops) / step:6.1%}")
     eff = weight_bytes * plain_tps
-    print(f"weights read per token {weight_bytes / 1e6:.1f} MB; effective bandwidth at the plain rate "
-          f"{eff / 1e9:.1f} GB/s = {eff / dram:.0%} of DRAM")
+    if not a.prefill:
+        print(f"weights read per token {weight_bytes / 1e6:.1f} MB; effective bandwidth at the plain rate "
+              f"{eff / 1e9:.1f} GB/s = {eff / dram:.0%} of DRAM")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": model, "tps": tps, "plain_tps": plain_tps, "dram_bps": dram, "n_gen": n,

@@ -255,7 +255,11 @@ inline __m256i k_chunk(const uint8_t* blk, int i) {
     return field(ld(reinterpret_cast<const block_q2_K*>(blk)->qs + 32 * h), 2 * j, 3);
   } else if constexpr (T == T_::Q3_K) {
     const auto* b = reinterpret_cast<const block_q3_K*>(blk);
-    return _mm256_or_si256(field(ld(b->qs + 32 * h), 2 * j, 3), _mm256_slli_epi16(field(ld(b->hmask), 4 * h + j, 1), 2));
+    // The high bit (bit 4h + j of each hmask byte) moved straight to bit 2: one shift, one mask.
+    const int s = 4 * h + j;
+    const __m256i hm = ld(b->hmask);
+    const __m256i hi = s >= 2 ? _mm256_srli_epi16(hm, s - 2) : _mm256_slli_epi16(hm, 2 - s);
+    return _mm256_or_si256(field(ld(b->qs + 32 * h), 2 * j, 3), _mm256_and_si256(hi, _mm256_set1_epi8(4)));
   } else if constexpr (T == T_::Q4_K) {
     return field(ld(reinterpret_cast<const block_q4_K*>(blk)->qs + 32 * (i / 2)), 4 * (i & 1), 0xF);
   } else if constexpr (T == T_::Q5_K) {
