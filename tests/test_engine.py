@@ -216,3 +216,42 @@ def test_kv_pool_exhaustion_preempts_and_recomputes(smollm2_path):
     st = eng.stats()
     assert st["preemptions"] > 0
     assert st["free_kv_tokens"] == st["kv_tokens"]
+
+
+def test_penalties_against_openai_formula(engine):
+    """Greedy decoding with OpenAI's penalties: every token is the argmax of the model's own
+    log-probabilities (logprobs=20: the raw distribution) less presence * (count > 0) +
+    frequency * count over the tokens generated before it. A top-20 token that was never
+    generated bounds every token outside the 20, so the check is exact."""
+    kw = dict(max_tokens=24, temperature=0, presence_penalty=1.2, frequency_penalty=0.7, logprobs=20)
+    r = engine.generate("List the colours of the rainbow, again and again:", **kw)
+    plain = engine.generate("List the colours of the rainbow, again and again:", max_tokens=24, temperature=0)
+    assert r.token_ids != plain.token_ids  # the penalties changed the output
+    counts: dict[int, int] = {}
+    for tok, lp in zip(r.token_ids, r.logprobs):
+        scored = {t: v - (1.2 + 0.7 * counts[t] if t in counts else 0.0) for t, v in lp.top}
+        assert any(t not in counts for t, _ in lp.top)
+        assert tok == max(scored, key=lambda t: (scored[t], -t))
+        counts[tok] = counts.get(tok, 0) + 1
+
+
+def test_penalized_request_resumes_exactly(engine):
+    """A parked stream is submitted again as prompt + its generated tokens with `resumed`: the
+    penalties still count those tokens, so the continuation equals the uninterrupted run."""
+    kw = dict(temperature=0, presence_penalty=1.0, frequency_penalty=1.0)
+    ids = engine.tokenizer.encode("1, 2, 3, 4, 5, 6,")  # numbers come back: the counts matter
+    full = engine.generate(ids, max_tokens=12, **kw).token_ids
+    core = engine._native()
+    from tensorfold.request import check_sampling
+    s = check_sampling(max_tokens=6, seed=0, **kw)
+    rid = native.add_request(core, ids + full[:6], s, resumed=6)
+    got = []
+    while len(got) < 6:
+        got += [ev.token for ev in native.step(core) if ev.request_id == rid and ev.token >= 0]
+    assert got == full[6:]
+    # Without it the penalties forget the first six tokens (the check above is not vacuous).
+    rid = native.add_request(core, ids + full[:6], s)
+    other = []
+    while len(other) < 6:
+        other += [ev.token for ev in native.step(core) if ev.request_id == rid and ev.token >= 0]
+    assert other != full[6:]

@@ -286,6 +286,35 @@ def test_large_vocabulary_distribution(temperature, top_k, top_p, min_p):
     assert chi2 <= crit, (chi2, crit)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p,presence,frequency", [
+    (0.0, 0, 1.0, 0.0, 1.5, 0.5),    # greedy: the argmax of the penalized logits
+    (1.0, 0, 1.0, 0.0, 0.8, 0.3),
+    (0.7, 40, 0.9, 0.02, -0.5, 0.4),  # a negative presence penalty raises generated tokens
+])
+def test_penalties_follow_openai(temperature, top_k, top_p, min_p, presence, frequency):
+    """OpenAI's presence / frequency penalties over the generated tokens, then the filter chain:
+    draws against the float64 reference applied to logit - presence * (count > 0) - frequency * count."""
+    from sampling_reference import binned_chi2, reference_distribution
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal(2000) * 1.5).astype(np.float32)
+    top = np.argsort(-logits)[:12]
+    generated = [int(top[0])] * 3 + [int(top[1])] + [int(t) for t in top[2:8]]  # repeats too
+    counts = np.bincount(generated, minlength=len(logits)).astype(np.float64)
+    adjusted = logits.astype(np.float64) - presence * (counts > 0) - frequency * counts
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
+              frequency_penalty=frequency, generated=generated, seed=9)
+    if temperature == 0:
+        assert list(ops.sample(logits, n=3, **kw)) == [int(np.argmax(adjusted))] * 3
+        assert int(np.argmax(adjusted)) != int(np.argmax(logits))  # the penalty decided it
+        return
+    p = reference_distribution(adjusted, temperature, top_k, top_p, min_p)
+    n = 8000
+    d = np.bincount(ops.sample(logits, n=n, **kw), minlength=len(logits))
+    assert d[p == 0].sum() == 0
+    chi2, crit = binned_chi2(d, p)
+    assert chi2 <= crit, (chi2, crit)
+
+
 def test_seed_reproducible_and_independent():
     logits = np.zeros(50000, np.float32)
     a = ops.sample(logits, n=64, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)

@@ -23,7 +23,8 @@ from tensorfold.scheduler import Scheduler
 # -- one table: every layer reads it ----------------------------------------------------------
 def test_tensorfold_defaults_are_llama_cpps():
     assert {n: DEFAULTS[n] for n in SAMPLING} == dict(max_tokens=128, temperature=0.8, top_k=40, top_p=0.95,
-                                                      min_p=0.05, seed=None, ignore_eos=False)
+                                                      min_p=0.05, presence_penalty=0.0, frequency_penalty=0.0,
+                                                      seed=None, ignore_eos=False)
     assert DEFAULTS["logprobs"] is None
 
 
@@ -99,7 +100,7 @@ def test_parent_parsers_are_shared_not_copied_per_command():
 def test_check_sampling_types_ranges_and_numpy():
     s = check_sampling(max_tokens=np.int64(5), temperature=np.float32(0.5), top_k=np.uint8(3), seed=np.int64(-1),
                        ignore_eos=np.bool_(True))
-    assert s == (5, 0.5, 3, 0.95, 0.05, -1, True) and type(s.max_tokens) is int and type(s.ignore_eos) is bool
+    assert s == (5, 0.5, 3, 0.95, 0.05, 0.0, 0.0, -1, True) and type(s.max_tokens) is int and type(s.ignore_eos) is bool
     assert check_sampling().temperature == 0.8 and check_sampling(temperature=0).greedy
     assert check_sampling(top_k=1, temperature=1.0).greedy and not check_sampling().greedy
     with pytest.raises(ArgumentTypeError, match=r"top_p must be a finite number in \(0, 1\] \(1 = off\), got '1'"):
@@ -118,7 +119,8 @@ def test_check_sampling_types_ranges_and_numpy():
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_http_defaults_are_openais(chat):
     p = parse_openai({"model": "m", "messages": []}, chat)
-    assert p == dict(max_tokens=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, ignore_eos=False)
+    assert p == dict(max_tokens=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
+                     frequency_penalty=0.0, seed=None, ignore_eos=False)
     # null is absent
     assert parse_openai({k: None for k in p}, chat) == p
     # every default is in the table's row
@@ -127,9 +129,11 @@ def test_http_defaults_are_openais(chat):
 
 
 def test_http_values_and_mappings():
-    p = parse_openai(dict(temperature=0, top_k=-1, top_p=0.5, min_p=0.1, seed=2**70, ignore_eos=True, max_tokens=7),
+    p = parse_openai(dict(temperature=0, top_k=-1, top_p=0.5, min_p=0.1, seed=2**70, ignore_eos=True, max_tokens=7,
+                          presence_penalty=-1.5, frequency_penalty=2),
                      chat=False)
-    assert p == dict(max_tokens=7, temperature=0.0, top_k=0, top_p=0.5, min_p=0.1, seed=2**70, ignore_eos=True)
+    assert p == dict(max_tokens=7, temperature=0.0, top_k=0, top_p=0.5, min_p=0.1, presence_penalty=-1.5,
+                     frequency_penalty=2.0, seed=2**70, ignore_eos=True)
     assert type(p["temperature"]) is float
     assert parse_openai(dict(max_tokens=3, max_completion_tokens=5), chat=True)["max_tokens"] == 5
     assert parse_openai(dict(max_tokens=3), chat=True)["max_tokens"] == 3

@@ -178,6 +178,16 @@ def test_completions_text_token_ids_and_stream(client, engine):
     assert r3.usage.completion_tokens == 16 and r3.choices[0].finish_reason == "length"
 
 
+def test_penalties_through_the_openai_client(client, engine):
+    """presence_penalty / frequency_penalty from the official client: the same tokens as the
+    Python API with the same penalties, and different from none (they are applied)."""
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=32, temperature=0,
+                                       presence_penalty=1.5, frequency_penalty=1.0)
+    ref = engine_generate(engine, messages=MSGS, max_tokens=32, presence_penalty=1.5, frequency_penalty=1.0)
+    plain = engine_generate(engine, messages=MSGS, max_tokens=32)
+    assert r.choices[0].message.content == ref.text != plain.text
+
+
 def test_stop_strings(client):
     full = greedy_chat(client, max_tokens=40).choices[0].message.content
     words = [w for w in re.findall(r"[A-Za-z]{3,}", full)]
@@ -332,7 +342,8 @@ def test_prompt_longer_than_the_context_is_400(client, server, engine):
     (dict(max_tokens=-5), "max_tokens"),
     (dict(stop=[1, 2]), "stop"),
     (dict(seed="x"), "seed"),
-    (dict(presence_penalty=1.0), "presence_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(logit_bias={"42": 5}), "logit_bias"),
     (dict(top_logprobs=3), "top_logprobs"),  # without logprobs=True
     (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream

@@ -219,8 +219,12 @@ void bind_engine(py::module_& m) {
       .def("add_request",
            [](Engine& e, const std::vector<int32_t>& prompt, int max_tokens, float temperature,
               int top_k, float top_p, float min_p, uint64_t seed, const std::vector<int32_t>& eog_ids,
-              bool ignore_eos, int top_logprobs, const std::string& speculative) {
+              bool ignore_eos, int top_logprobs, const std::string& speculative, float presence_penalty,
+              float frequency_penalty, int64_t resumed) {
              RequestParams p;
+             p.resumed = resumed;
+             p.sampling.presence_penalty = presence_penalty;
+             p.sampling.frequency_penalty = frequency_penalty;
              p.speculative = speculative;
              p.top_logprobs = top_logprobs;
              p.max_tokens = max_tokens;
@@ -238,7 +242,9 @@ void bind_engine(py::module_& m) {
            py::arg("top_k") = 40, py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f,
            py::arg("seed") = 0, py::arg("eog_ids") = std::vector<int32_t>{},
            py::arg("ignore_eos") = false, py::arg("top_logprobs") = -1, py::arg("speculative") = "",
-           "speculative: '' the engine's draft source, 'none', 'lookup' or 'draft'; top_logprobs: -1 off; 0 the sampled token's log-probability; 1..20 also that many most likely "
+           py::arg("presence_penalty") = 0.f, py::arg("frequency_penalty") = 0.f, py::arg("resumed") = 0,
+           "presence_penalty / frequency_penalty: OpenAI's, over the generated tokens (0 = off); resumed: the "
+           "last prompt tokens that this request generated before (a resubmitted stream); speculative: '' the engine's draft source, 'none', 'lookup' or 'draft'; top_logprobs: -1 off; 0 the sampled token's log-probability; 1..20 also that many most likely "
            "tokens' (log-softmax of the raw logits: temperature 1, before top-k/top-p/min-p)")
       .def("step",
            [](Engine& e) {

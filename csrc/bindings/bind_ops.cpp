@@ -2,6 +2,7 @@
 // microbenchmarks. No logic here.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <string>
 #include <utility>
@@ -110,14 +111,17 @@ void bind_ops(py::module_& m) {
   });
   o.def("sample",
         [](carray<float> logits, int n, float temperature, int top_k, float top_p, float min_p,
-           uint64_t seed) {
+           uint64_t seed, float presence_penalty, float frequency_penalty, const std::vector<int32_t>& generated) {
           SamplingParams p;
+          p.presence_penalty = presence_penalty;
+          p.frequency_penalty = frequency_penalty;
           p.temperature = temperature;
           p.top_k = top_k;
           p.top_p = top_p;
           p.min_p = min_p;
           p.seed = seed;
           Sampler s(p);
+          for (int32_t t : generated) s.observe(t, logits.size());
           py::array_t<int32_t> out(n);
           {
             py::gil_scoped_release nogil;
@@ -127,7 +131,10 @@ void bind_ops(py::module_& m) {
         },
         py::arg("logits"), py::arg("n") = 1, py::arg("temperature") = 0.8f, py::arg("top_k") = 40,
         py::arg("top_p") = 0.95f, py::arg("min_p") = 0.05f, py::arg("seed") = 0,
-        "n draws from one sampler (its RNG advances between draws)");
+        py::arg("presence_penalty") = 0.f, py::arg("frequency_penalty") = 0.f,
+        py::arg("generated") = std::vector<int32_t>{},
+        "n draws from one sampler (its RNG advances between draws) that has generated `generated` "
+        "(the penalties' counts; the draws do not add to them)");
 }
 
 }  // namespace tf

@@ -284,9 +284,15 @@ int64_t Engine::add_request(const std::vector<int32_t>& prompt, const RequestPar
   TF_CHECK(sp.top_p > 0.f && sp.top_p <= 1.f, "top_p must be in (0, 1] (1 = off), got ", sp.top_p);
   TF_CHECK(sp.min_p >= 0.f && sp.min_p <= 1.f, "min_p must be in [0, 1] (0 = off), got ", sp.min_p);
   TF_CHECK(sp.top_k >= 0, "top_k must be >= 0 (0 = off), got ", sp.top_k);
+  TF_CHECK(sp.presence_penalty >= -2.f && sp.presence_penalty <= 2.f,
+           "presence_penalty must be in [-2, 2] (0 = off), got ", sp.presence_penalty);
+  TF_CHECK(sp.frequency_penalty >= -2.f && sp.frequency_penalty <= 2.f,
+           "frequency_penalty must be in [-2, 2] (0 = off), got ", sp.frequency_penalty);
   TF_CHECK(params.top_logprobs >= -1 && params.top_logprobs <= kMaxTopLogprobs,
            "top_logprobs must be -1 (off), 0 (the sampled token's) or 1..", kMaxTopLogprobs, ", got ",
            params.top_logprobs);
+  TF_CHECK(params.resumed >= 0 && params.resumed < int64_t(prompt.size()), "resumed must be in [0, ",
+           prompt.size(), ") (prompt tokens that were generated), got ", params.resumed);
   const std::string& spec = params.speculative;
   TF_CHECK(spec.empty() || spec == "none" || spec == "lookup" || spec == "draft" || spec == "mtp",
            "speculative must be '' (the engine's), 'none', 'lookup', 'draft' or 'mtp', got '", spec, "'");
@@ -296,6 +302,8 @@ int64_t Engine::add_request(const std::vector<int32_t>& prompt, const RequestPar
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t id = next_id_++;
   auto seq = std::make_unique<Sequence>(id, prompt, params);
+  for (size_t i = prompt.size() - size_t(params.resumed); i < prompt.size(); ++i)
+    seq->sampler.observe(prompt[i], config().n_vocab);
   seq->source = spec.empty() ? default_source_ : spec == "lookup" ? lookup_.get()
                 : spec == "draft"              ? draft_model_.get()
                 : spec == "mtp"                ? static_cast<DraftSource*>(mtp_.get())
@@ -516,6 +524,7 @@ bool Engine::emit(Sequence& s, int32_t tok, const float* lg, std::vector<StepOut
     o.logprob = token_logprobs(lg, V, tok, s.params.top_logprobs, o.top);
   }
   s.tokens.push_back(tok);
+  s.sampler.observe(tok, V);
   ++s.n_generated;
   ++stats_.generated_tokens;
   const auto& eog = s.params.eog_ids;

@@ -380,17 +380,33 @@ size_t Sampler::pick(double r, size_t skip) const {
   return skip < m ? skip : 0;
 }
 
-int32_t Sampler::sample(const float* logits, int64_t n) {
+void Sampler::observe(int32_t token, int64_t n) {
+  if ((p_.presence_penalty == 0.f && p_.frequency_penalty == 0.f) || token < 0 || token >= n) return;
+  if (counts_.size() != size_t(n)) counts_.assign(size_t(n), 0);
+  if (counts_[size_t(token)]++ == 0) generated_.push_back(token);
+}
+
+const float* Sampler::penalized(const float* logits, int64_t n) {
+  if (generated_.empty() || counts_.size() != size_t(n)) return logits;
+  penalized_.assign(logits, logits + n);
+  for (int32_t t : generated_)
+    penalized_[size_t(t)] -= p_.presence_penalty + p_.frequency_penalty * float(counts_[size_t(t)]);
+  return penalized_.data();
+}
+
+int32_t Sampler::sample(const float* raw, int64_t n) {
   if (n <= 0) return 0;
+  const float* logits = penalized(raw, n);
   double total = 0.0;
   if (!distribution(logits, n, total)) return argmax(logits, n);
   std::uniform_real_distribution<double> uni(0.0, total);
   return id_at(pick(uni(rng_), size_t(-1)));
 }
 
-int32_t Sampler::sample_given_draft(const float* logits, int64_t n, int32_t draft, bool& accepted) {
+int32_t Sampler::sample_given_draft(const float* raw, int64_t n, int32_t draft, bool& accepted) {
   accepted = false;
   if (n <= 0) return 0;
+  const float* logits = penalized(raw, n);
   double total = 0.0;
   if (!distribution(logits, n, total)) {
     const int32_t t = argmax(logits, n);

@@ -1,5 +1,6 @@
 // Token sampling: greedy, temperature, top-k, top-p, min-p, reproducible with a seed.
-// Filters apply in llama.cpp's order (top-k, top-p, min-p on the unscaled distribution),
+// Presence and frequency penalties first adjust the logits of the tokens generated so far;
+// filters apply in llama.cpp's order (top-k, top-p, min-p on the unscaled distribution),
 // then temperature, then a draw from the request's own RNG.
 #pragma once
 #include <cstdint>
@@ -15,6 +16,10 @@ struct SamplingParams {
   float top_p = 0.95f;       // >= 1: off
   float min_p = 0.05f;       // <= 0: off
   uint64_t seed = 0;
+  // OpenAI's penalties over the tokens generated so far (as vLLM: the prompt's do not count):
+  // logit[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]. 0: off.
+  float presence_penalty = 0.f;
+  float frequency_penalty = 0.f;
 };
 
 // Log-probabilities of a logits row as OpenAI and vLLM report them: the log-softmax of the raw
@@ -37,8 +42,13 @@ class Sampler {
   // (renormalised) — the rejection-sampling residual max(0, p - q) for that q. The result is
   // distributed exactly as sample()'s. Greedy: the argmax, accepted when it is `draft`.
   int32_t sample_given_draft(const float* logits, int64_t n_vocab, int32_t draft, bool& accepted);
+  // A token was generated (counts for the penalties; a no-op when they are off).
+  void observe(int32_t token, int64_t n_vocab);
 
  private:
+  // The logits after the penalties: `logits` itself when they are off or nothing was generated,
+  // else a copy with the generated tokens' entries lowered (O(vocabulary) copy + O(distinct)).
+  const float* penalized(const float* logits, int64_t n_vocab);
   // The distribution sample() draws from: candidates and their weights (sum `total`); false
   // when the settings or the logits leave no choice (greedy, +inf, no finite logit). O(n_vocab):
   // one pass for the maximum, one for the weights (a vectorisable exp), selection only where a
@@ -66,6 +76,9 @@ class Sampler {
   std::vector<float> top_x_, top_w_;                 // top-k then top-p: the k logits and weights
   std::vector<int32_t> top_id_;
   std::vector<size_t> bucket_count_;                 // top_k_by_buckets(): tokens per logit bucket
+  std::vector<int32_t> counts_;     // per token: times generated (allocated once penalties apply)
+  std::vector<int32_t> generated_;  // distinct tokens generated, in order of first appearance
+  std::vector<float> penalized_;    // the adjusted copy of the logits
   std::vector<double> block_sum_;  // sums of weight_ over kPickBlock candidates: pick() skips blocks
   static constexpr size_t kPickBlock = 256;
 };

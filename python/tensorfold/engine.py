@@ -656,7 +656,8 @@ class Engine:
                         # first read, or parked: (re)submit prompt + the tokens produced so far
                         rid = native.add_request(core, req.ids + req.generated, req.sampling,
                                                  max_tokens=req.sampling.max_tokens - len(req.generated),
-                                                 eog_ids=req.eog_ids, top_logprobs=req.top_logprobs)
+                                                 eog_ids=req.eog_ids, top_logprobs=req.top_logprobs,
+                                                 resumed=len(req.generated))
                         req.rid = rid
                         self._reqs[rid] = req
                     self._park_idle(core, req)
@@ -681,13 +682,16 @@ class Engine:
     def generate(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                  max_tokens: int = DEFAULTS["max_tokens"], temperature: float = DEFAULTS["temperature"],
                  top_k: int = DEFAULTS["top_k"], top_p: float = DEFAULTS["top_p"], min_p: float = DEFAULTS["min_p"],
+                 presence_penalty: float = DEFAULTS["presence_penalty"],
+                 frequency_penalty: float = DEFAULTS["frequency_penalty"],
                  seed: int | None = DEFAULTS["seed"], stop: str | Sequence[str] | None = None,
                  ignore_eos: bool = DEFAULTS["ignore_eos"], logprobs: int | None = DEFAULTS["logprobs"]) -> Completion:
         """Completes `prompt` (text, which gets BOS as the model asks, or token ids used
         verbatim), or with messages=[{"role": ..., "content": ...}, ...] the assistant's turn
         of a conversation (roles: system, user, assistant, tool, developer). Generates at most
         max_tokens tokens, sampled with temperature (0 = greedy), top_k (0 = off), top_p
-        (1 = off) and min_p (0 = off); seed makes sampling reproducible; generation ends at the
+        (1 = off) and min_p (0 = off), after OpenAI's presence_penalty / frequency_penalty over
+        the tokens generated so far (0 = off); seed makes sampling reproducible; generation ends at the
         first of `stop` (never included in the text) or end of sequence unless ignore_eos.
         logprobs=k (0..20) also returns each generated token's log-probability and the k most
         likely tokens at its position (Completion.logprobs, with their texts). Returns a
@@ -696,7 +700,8 @@ class Engine:
         logprobs = PARAMS["logprobs"].check(logprobs)
         ids = self._prompt_ids(prompt, messages)
         req = self._request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, seed=seed, ignore_eos=ignore_eos)
+                            min_p=min_p, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos)
         req.top_logprobs = -1 if logprobs is None else logprobs
         text, tokens, lps, reason = [], [], [], "length"
         for piece, token, why, ev in self._run(req, self._stops(stop)):
@@ -715,6 +720,8 @@ class Engine:
     def stream(self, prompt: str | Sequence[int] | None = None, *, messages: list[dict] | None = None,
                max_tokens: int = DEFAULTS["max_tokens"], temperature: float = DEFAULTS["temperature"],
                top_k: int = DEFAULTS["top_k"], top_p: float = DEFAULTS["top_p"], min_p: float = DEFAULTS["min_p"],
+               presence_penalty: float = DEFAULTS["presence_penalty"],
+               frequency_penalty: float = DEFAULTS["frequency_penalty"],
                seed: int | None = DEFAULTS["seed"], stop: str | Sequence[str] | None = None,
                ignore_eos: bool = DEFAULTS["ignore_eos"]) -> Iterator[str]:
         """Like generate(), but yields the text pieces as they are generated (never a split
@@ -724,7 +731,8 @@ class Engine:
         self._native()
         ids = self._prompt_ids(prompt, messages)
         req = self._request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, seed=seed, ignore_eos=ignore_eos)
+                            min_p=min_p, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos)
         return Stream(self._run(req, self._stops(stop)))
 
     def chat(self, messages: list[dict], **kwargs) -> Completion:

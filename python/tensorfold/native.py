@@ -54,12 +54,16 @@ def step(core) -> list[StepEvent]:
 
 
 def add_request(core, prompt: Sequence[int], sampling: Sampling, *, max_tokens: int | None = None,
-                eog_ids: Sequence[int] = (), top_logprobs: int = -1, speculative: str = "") -> int:
+                eog_ids: Sequence[int] = (), top_logprobs: int = -1, speculative: str = "", resumed: int = 0) -> int:
     """Submits a request to the native engine `core`; returns its id. `sampling.seed` must be
     set (0..2**64-1); max_tokens (default sampling.max_tokens) is what is left to generate;
     top_logprobs -1: no log-probabilities, k >= 0: the token's and the k most likely; speculative
-    "" the engine's draft source, "none", "lookup" or "draft"."""
+    "" the engine's draft source, "none", "lookup" or "draft"; resumed: the prompt's last tokens
+    that the request generated before it was parked (they count for the penalties)."""
     kw = {"top_logprobs": top_logprobs} if top_logprobs >= 0 else {}  # an older core does not take it
+    if sampling.presence_penalty or sampling.frequency_penalty:
+        kw.update(presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                  resumed=resumed)
     if speculative:
         kw["speculative"] = speculative
     return core.add_request(prompt, sampling.max_tokens if max_tokens is None else max_tokens,

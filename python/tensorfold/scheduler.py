@@ -193,6 +193,8 @@ class Scheduler:
     def submit(self, prompt_ids: Sequence[int], sink: Callable[[Delta], None], *,
                max_tokens: int = DEFAULTS["max_tokens"], temperature: float = DEFAULTS["temperature"],
                top_k: int = DEFAULTS["top_k"], top_p: float = DEFAULTS["top_p"], min_p: float = DEFAULTS["min_p"],
+               presence_penalty: float = DEFAULTS["presence_penalty"],
+               frequency_penalty: float = DEFAULTS["frequency_penalty"],
                seed: int | None = DEFAULTS["seed"], stop: str | Sequence[str] | None = None,
                ignore_eos: bool = DEFAULTS["ignore_eos"], top_logprobs: int | None = None,
                stream: bool = True) -> Request:
@@ -209,7 +211,8 @@ class Scheduler:
         if len(ids) >= eng.context:
             raise ValueError(f"the prompt has {len(ids)} tokens but the context is {eng.context}")
         spec = eng._request(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, seed=seed, ignore_eos=ignore_eos)
+                            min_p=min_p, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, seed=seed, ignore_eos=ignore_eos)
         k = -1
         if top_logprobs is not None:
             if not self.supports_logprobs:

@@ -426,8 +426,8 @@ def _unsupported(body: dict, name: str, ok: Callable[[Any], bool], what: str) ->
 
 
 def _parse_common(body: dict, chat: bool) -> dict:
-    """Sampling and streaming parameters shared by both endpoints (OpenAI names; top_k,
-    min_p and ignore_eos as extensions). A sampling parameter left out takes the OpenAI API's
+    """Sampling and streaming parameters shared by both endpoints (OpenAI names, the
+    presence / frequency penalties included; top_k, min_p and ignore_eos as extensions). A sampling parameter left out takes the OpenAI API's
     value (temperature 1, top_p 1, top_k and min_p off: tensorfold.request.PARAMS' `http`
     defaults), not the Python API's, and every one is passed on explicitly."""
     n = body.get("n")
@@ -435,11 +435,6 @@ def _parse_common(body: dict, chat: bool) -> dict:
         if _is_int(n) and n > 1:
             raise _bad("n > 1 is not supported: send one request per choice", "n", "unsupported_parameter")
         raise _bad(f"n must be 1, got {n!r}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (not _is_num(v) or not -2 <= v <= 2):
-            raise _bad(f"{name} must be a number in [-2, 2], got {v!r}", name)
-        _unsupported(body, name, lambda v: v == 0, "only 0")
     _unsupported(body, "logit_bias", lambda v: v == {}, "only an empty map")
     _unsupported(body, "tools", lambda v: v == [], "no tool calling")
     _unsupported(body, "functions", lambda v: v == [], "no function calling")
