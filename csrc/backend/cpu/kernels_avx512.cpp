@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "backend/cpu/kernels_internal.h"
 #include "backend/cpu/panel_avx512.h"
@@ -528,11 +529,158 @@ void k_cols(const KW* kw, int kcb, const uint8_t* xq, size_t xs, int64_t ncols, 
   }
 }
 
+// Prefill panels of the K-quants: the 16-row VNNI panels of panel_avx512.h, with each
+// format's generic decomposition w = d * sc[s] * q - dmin * mn[s] (q unsigned, s: 16-value
+// sub-block; kernels_internal.h's KUnpacked). Per 16 rows and block the panel holds the codes
+// in vpdpbusd's layout (no bias: they are unsigned already), d * sc and dmin * mn per sub-block;
+// per column and block, each sub-block costs four vpdpbusd for 16 rows, its scale one FMA and
+// its min one FMA with the activation's 16-value sum.
+constexpr int kKPanelSlab = 4;       // 256-value blocks per slab (~20 KB: stays in L1)
+constexpr int kKPanelCols = 8;
+constexpr int64_t kKPanelMinCols = 8;
+
+struct alignas(64) KPanelBlock {
+  __m512i q[64];  // q[g]: rows' values 4g..4g+3
+  __m512 f[16];   // f[s]: rows' d * sc[s]
+  __m512 m[16];   // m[s]: rows' dmin * mn[s]
+};
+
+template <T_ T>
+inline void build_k_panels(const uint8_t* w, size_t ws, int64_t r, int n, int64_t b0, int nbs, KPanelBlock* out) {
+  constexpr size_t BB = block_bytes<T>();
+  alignas(64) float f[16][16], m[16][16];
+  for (int b = 0; b < nbs; ++b) {
+    KW kw[16];
+    for (int i = 0; i < 16; ++i) {
+      if (i >= n) {
+        for (int j = 0; j < 4; ++j) kw[i].q[j] = _mm512_setzero_si512();
+        for (int s = 0; s < 16; ++s) f[i][s] = m[i][s] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = w + size_t(r + i) * ws + size_t(b0 + b) * BB;
+      unpack_k<T>(blk, kw[i]);
+      KUnpacked u;
+      k_scales(T, blk, &u);
+      for (int s = 0; s < 16; ++s) {
+        f[i][s] = u.d * float(u.sc[s]);
+        m[i][s] = u.dmin * float(u.mn[s]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {  // values 64j..64j+63: groups 16j..16j+15
+      __m512i t[16];
+      for (int i = 0; i < 16; ++i) t[i] = kw[i].q[j];
+      transpose16x16_epi32(t);
+      for (int g = 0; g < 16; ++g) out[b].q[16 * j + g] = t[g];
+    }
+    __m512i fs[16], ms[16];
+    for (int i = 0; i < 16; ++i) {
+      fs[i] = _mm512_castps_si512(_mm512_load_ps(f[i]));
+      ms[i] = _mm512_castps_si512(_mm512_load_ps(m[i]));
+    }
+    transpose16x16_epi32(fs);
+    transpose16x16_epi32(ms);
+    for (int s = 0; s < 16; ++s) {
+      out[b].f[s] = _mm512_castsi512_ps(fs[s]);
+      out[b].m[s] = _mm512_castsi512_ps(ms[s]);
+    }
+  }
+}
+
+// SUB: values per scale (16; Q4_K / Q5_K: 32, their scales come in equal pairs). sums: the
+// columns' activation sums per scale, as floats ([column][block][256 / SUB], `sums_stride` apart).
+template <int NC, int SUB>
+inline void k_panel_tile(const KPanelBlock* p, int nbs, int64_t b0, const uint8_t* xq, size_t xs, const float* sums,
+                         int64_t sums_stride, float* y, int64_t ldy, __mmask16 rows, bool first) {
+  constexpr int NS = 256 / SUB, NG = SUB / 4;
+  __m512 tot[NC];
+  for (int c = 0; c < NC; ++c) tot[c] = _mm512_setzero_ps();
+  for (int b = 0; b < nbs; ++b) {
+    const KPanelBlock& pb = p[b];
+    const ActK* a[NC];
+    for (int c = 0; c < NC; ++c) a[c] = reinterpret_cast<const ActK*>(xq + size_t(c) * xs) + b0 + b;
+    __m512 blk[NC];
+    for (int c = 0; c < NC; ++c) blk[c] = _mm512_setzero_ps();
+    for (int s = 0; s < NS; ++s) {
+      __m512i acc[NC];
+      for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_si512();
+      for (int g = 0; g < NG; ++g) {
+        const __m512i wq = pb.q[NG * s + g];
+        for (int c = 0; c < NC; ++c) {
+          int32_t xv;
+          std::memcpy(&xv, a[c]->qs + SUB * s + 4 * g, 4);
+          acc[c] = _mm512_dpbusd_epi32(acc[c], wq, _mm512_set1_epi32(xv));
+        }
+      }
+      const __m512 f = pb.f[s * (SUB / 16)], m = pb.m[s * (SUB / 16)];
+      for (int c = 0; c < NC; ++c) {
+        blk[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]), f, blk[c]);
+        blk[c] = _mm512_fnmadd_ps(m, _mm512_set1_ps(sums[c * sums_stride + (b0 + b) * NS + s]), blk[c]);
+      }
+    }
+    for (int c = 0; c < NC; ++c) tot[c] = _mm512_fmadd_ps(blk[c], _mm512_set1_ps(a[c]->d), tot[c]);
+  }
+  for (int c = 0; c < NC; ++c) {
+    float* dst = y + c * ldy;
+    if (!first) tot[c] = _mm512_add_ps(tot[c], _mm512_maskz_loadu_ps(rows, dst));
+    _mm512_mask_storeu_ps(dst, rows, tot[c]);
+  }
+}
+
+template <T_ T>
+void matmul_k_panels(int64_t k, const uint8_t* w, size_t ws, int64_t r0, int64_t r1, const uint8_t* xq, size_t xs,
+                     int64_t ncols, float* y, int64_t ldy) {
+  constexpr int SUB = T == T_::Q4_K || T == T_::Q5_K ? 32 : 16, NS = 256 / SUB;
+  const int64_t nb = k / 256;
+  // The activation sums per scale of every column and block, as floats (the min term's factor).
+  thread_local std::vector<float> sums;
+  sums.resize(size_t(ncols * nb * NS));
+  for (int64_t c = 0; c < ncols; ++c)
+    for (int64_t b = 0; b < nb; ++b) {
+      const ActK& a = reinterpret_cast<const ActK*>(xq + size_t(c) * xs)[b];
+      for (int j = 0; j < NS; ++j) {
+        int v = 0;
+        for (int h = 0; h < SUB / 16; ++h) v += a.bsums[j * (SUB / 16) + h];
+        sums[size_t((c * nb + b) * NS + j)] = float(v);
+      }
+    }
+  alignas(64) KPanelBlock panel[kKPanelSlab];
+  for (int64_t r = r0; r < r1; r += 16) {
+    const int n = int(std::min<int64_t>(16, r1 - r));
+    const __mmask16 rows = __mmask16((1u << n) - 1);
+    for (int64_t b0 = 0; b0 < nb; b0 += kKPanelSlab) {
+      const int nbs = int(std::min<int64_t>(kKPanelSlab, nb - b0));
+      build_k_panels<T>(w, ws, r, n, b0, nbs, panel);
+      const bool first = b0 == 0;
+      int64_t c = 0;
+      for (; c + kKPanelCols <= ncols; c += kKPanelCols)
+        k_panel_tile<kKPanelCols, SUB>(panel, nbs, b0, xq + size_t(c) * xs, xs, sums.data() + c * nb * NS, nb * NS,
+                                       y + c * ldy + r, ldy, rows, first);
+      switch (ncols - c) {
+#define TF_K_PANEL_REST(N)                                                                                   \
+  case N:                                                                                                    \
+    k_panel_tile<N, SUB>(panel, nbs, b0, xq + size_t(c) * xs, xs, sums.data() + c * nb * NS, nb * NS,        \
+                         y + c * ldy + r, ldy, rows, first);                                                 \
+    break;
+        TF_K_PANEL_REST(1)
+        TF_K_PANEL_REST(2)
+        TF_K_PANEL_REST(3)
+        TF_K_PANEL_REST(4)
+        TF_K_PANEL_REST(5)
+        TF_K_PANEL_REST(6)
+        TF_K_PANEL_REST(7)
+#undef TF_K_PANEL_REST
+        default: break;
+      }
+    }
+  }
+}
+
 template <T_ T>
 void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, const void* xv,
               size_t xs, int64_t ncols, float* y, int64_t ldy) {
   const uint8_t* w = static_cast<const uint8_t*>(wv);
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
+  if (ncols >= kKPanelMinCols) return matmul_k_panels<T>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
   const int64_t nb = k / 256;
   constexpr size_t BB = block_bytes<T>();
   KW kw[4 * KC];
