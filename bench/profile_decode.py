@@ -4,6 +4,7 @@ backend wrapped by the profiling decorator, TENSORFOLD_PROFILE_OPS=1), per token
 
     python bench/profile_decode.py [--model PATH] [--threads 2] [--n-gen 64] [--depth 0] [--json OUT]
     python bench/profile_decode.py --prefill 512 [...]     # a 512-token prompt instead, per prompt token
+                                                           # (products' GFLOP/s and share of the int8 peak)
 
 Prints one row per op (products split by weight type and shape class): calls and milliseconds per
 token, share of the step, and for products the weight bytes read per token and their rate against
@@ -96,7 +97,16 @@ def main() -> int:
 
     model = a.model or tensorfold.pull()
     dram = measure_dram_read(a.threads)
+    from tensorfold import _core
+    peak = None
     if a.prefill:
+        try:  # the int8 dot-product peak (vpdpbusd on registers), for the products' share of it
+            peak = 2 * _core.kernels_int8_peak(a.threads, 1.0)
+        except Exception as e:  # noqa: BLE001 - no VNNI: no peak column
+            print(f"(no int8 peak probe: {e})")
+    if a.prefill:
+        if peak:
+            print(f"int8 dot-product peak {peak / 1e9:.0f} GOPS ({a.threads} threads, measured now)")
         plain_tps, _, _ = prefill_rate(model, a.threads, a.prefill, profiled=False)
         tps, n, rows = prefill_rate(model, a.threads, a.prefill, profiled=True)
         what = f"prefill of {a.prefill} tokens"
@@ -121,7 +131,8 @@ def main() -> int:
             gbs = v["weight_bytes"] / v["seconds"]
             rate = f"{mb:8.1f} {gbs / 1e9:6.1f} {gbs / dram:7.0%}"
             if a.prefill and key.endswith("prefill"):  # every weight byte multiplies all prompt tokens: 2 flops per weight per token
-                rate += f" {2 * v['weight_bytes'] * weights_per_byte(key) * n / v['seconds'] / 1e9:8.1f}"
+                ops = 2 * v["weight_bytes"] * weights_per_byte(key) * n / v["seconds"]
+                rate += f" {ops / 1e9:8.1f}" + (f" ({ops / peak:.0%} of int8 peak)" if peak else "")
         else:
             rate = ""
         print(f"{key:34s} {v['calls'] / n:9.1f} {sec * 1e3:8.3f} {sec / step:6.1%} {rate}")

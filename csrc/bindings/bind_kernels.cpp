@@ -2,6 +2,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -188,6 +190,28 @@ void bind_kernels(py::module_& m) {
           TF_CHECK(type_id < kGgmlTypeIdLimit, "unknown type id ", type_id);
           return cpu::act_row_bytes(GgmlType(type_id), k);
         }, py::arg("type_id"), py::arg("k"));
+  m.def("kernels_int8_peak",
+        [](int threads, double seconds) {
+          check_threads(threads);
+          TF_CHECK(cpu::detail::isa_available(CpuIsa::Avx512), "the int8 peak probe needs AVX-512 VNNI");
+          TF_CHECK(seconds > 0 && seconds <= 60, "seconds must be in (0, 60]");
+          py::gil_scoped_release release;
+          ThreadPool pool(threads);
+          // Rounds sized to ~seconds / 5 each, best of 5: multiply-adds per second of `threads` cores.
+          int64_t iters = 1 << 16;
+          double best = 0.0;
+          std::vector<int64_t> sink(static_cast<size_t>(threads), 0);
+          for (int round = 0; round < 6; ++round) {
+            const auto t0 = std::chrono::steady_clock::now();
+            pool.run_chunks(threads, [&](int64_t c, int) { sink[size_t(c)] = cpu::detail::vnni_peak_avx512(iters); });
+            const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            best = std::max(best, double(iters) * 12 * 64 * threads / dt);
+            if (round == 0) iters = std::max<int64_t>(1, int64_t(double(iters) * seconds / 5 / std::max(dt, 1e-6)));
+          }
+          return best;
+        },
+        py::arg("threads") = 1, py::arg("seconds") = 1.0,
+        "int8 multiply-adds per second at the VNNI peak (vpdpbusd on registers) of `threads` threads");
   m.def("kernels_read_bytes", &kernels_read_bytes, py::arg("a"), py::arg("threads") = 1,
         "Streams every byte of a (memory-bandwidth probe); returns a checksum.");
 }

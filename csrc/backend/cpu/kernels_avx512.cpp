@@ -840,6 +840,19 @@ void quantize_avx512(ActKind kind, const float* x, void* xq, int64_t k) {
   quantize_row_with(kind, x, xq, k, quant_block);
 }
 
+// The int8 dot-product peak (a compute probe for prefill's bar): `iters` rounds of 12
+// independent vpdpbusd chains on registers (512 multiply-adds each); returns a checksum.
+int64_t vnni_peak_avx512(int64_t iters) {
+  __m512i acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i);
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+  __m512i t = acc[0];
+  for (int i = 1; i < 12; ++i) t = _mm512_add_epi32(t, acc[i]);
+  return _mm512_reduce_add_epi32(t);
+}
+
 uint64_t read_bytes_avx512(const void* p, size_t n) {
   const uint8_t* b = static_cast<const uint8_t*>(p);
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;

@@ -97,6 +97,8 @@ bool isa_available(CpuIsa isa);
 // Streams n bytes (a memory-bandwidth probe); returns a value depending on every byte.
 uint64_t read_bytes(const void* p, size_t n);
 uint64_t read_bytes_avx512(const void* p, size_t n);
+// The int8 dot-product peak probe: iters x 12 x 64 multiply-adds of vpdpbusd (a checksum back).
+int64_t vnni_peak_avx512(int64_t iters);
 
 // ---- scalar helpers shared by the reference and the vector files' tails ----
 
