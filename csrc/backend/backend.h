@@ -173,6 +173,15 @@ class Backend {
     for (int64_t i = 0; i < n; ++i) fn(i);
   }
 
+  // The rows of this forward whose products must be computed as one-row products are (bit for
+  // bit: BatchToken::exact), mask[t] != 0, over the forward's T rows; nullptr: none (every
+  // product may take the fastest kernel for its shape). Products over another number of rows
+  // (the logit rows) are then computed as one-row products. The mask stays valid until reset.
+  virtual void set_exact_rows(const uint8_t* mask, int64_t T) {
+    (void)mask;
+    (void)T;
+  }
+
   // -- memory ------------------------------------------------------------------------------
   virtual Buffer alloc(size_t bytes, BufferKind kind) = 0;
   // The backend's own working memory for products of these shapes; count_only: only the bytes.

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cpu/kernel_choice.h"
+#include "backend/cpu/kernel_table.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/kernels_internal.h"
 #include "bindings/bindings.h"
@@ -73,7 +74,13 @@ py::array_t<float> kernels_matmul(uint32_t type_id,
   TF_CHECK(x.shape(1) == k, "x has ", x.shape(1), " columns, expected k=", k);
   const int64_t ncols = x.shape(0);
   TF_CHECK(ncols >= 1, "x must have at least one row");
-  const CpuIsa isa = parse_impl(impl);
+  // "avx512_panels": the format's prefill panels (CpuKernels::avx512_panels).
+  const bool panels = impl == "avx512_panels";
+  const CpuIsa isa = parse_impl(panels ? "avx512" : impl);
+  if (panels) {
+    const cpu::CpuKernels* kern = cpu::find_kernels(wt);
+    TF_CHECK(kern && kern->avx512_panels, "no prefill panels for ", tr->name);
+  }
 
   py::array_t<float> y({ncols, rows});
   const size_t act_bytes = cpu::act_row_bytes(wt, k);
@@ -93,7 +100,8 @@ py::array_t<float> kernels_matmul(uint32_t type_id,
     });
     const int64_t grain = rows >= 64 ? 16 : 1;
     slot.pool->parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
-      cpu::detail::matmul_rows_isa(isa, wt, k, wp, row_bytes, r0, r1, xq, stride, ncols, yp, rows);
+      if (!panels || !cpu::detail::matmul_rows_panels(isa, wt, k, wp, row_bytes, r0, r1, xq, stride, ncols, yp, rows))
+        cpu::detail::matmul_rows_isa(isa, wt, k, wp, row_bytes, r0, r1, xq, stride, ncols, yp, rows);
     });
   }
   return y;

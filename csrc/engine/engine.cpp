@@ -390,7 +390,8 @@ std::vector<StepOutput> Engine::step() {
       preempt(*victim);
     }
     if (kv_->capacity(s.slot) < int64_t(s.n_computed) + 1) continue;  // waits for a later step
-    batch_.push_back({s.tokens.back(), int32_t(s.n_computed), int32_t(s.slot), true});
+    // The last prompt token can come this way too (one token left): exact only when generated.
+    batch_.push_back({s.tokens.back(), int32_t(s.n_computed), int32_t(s.slot), true, s.generated(s.n_computed)});
     batch_owner_.push_back(&s);
     --budget;
     ++logit_rows;
@@ -426,7 +427,8 @@ std::vector<StepOutput> Engine::step() {
     for (size_t i = 0; i < chunk; ++i) {
       const size_t pos = s.n_computed + i;
       const bool last = pos + 1 == s.tokens.size();
-      batch_.push_back({s.tokens[pos], int32_t(pos), int32_t(s.slot), last});
+      // A resubmitted stream's generated tokens are computed as they were when decoded.
+      batch_.push_back({s.tokens[pos], int32_t(pos), int32_t(s.slot), last, s.generated(pos)});
       batch_owner_.push_back(&s);
       if (last) ++logit_rows;
     }
@@ -611,7 +613,7 @@ void Engine::add_drafts(int& budget, int& logit_rows) {
       continue;
     }
     for (int d = 0; d < nd; ++d) {
-      batch.push_back({s.drafts[size_t(d)], int32_t(s.n_computed) + 1 + d, int32_t(s.slot), true});
+      batch.push_back({s.drafts[size_t(d)], int32_t(s.n_computed) + 1 + d, int32_t(s.slot), true, true});
       owner.push_back(&s);
     }
     budget -= nd;

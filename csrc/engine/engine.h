@@ -195,6 +195,9 @@ class Engine {
     int64_t id;
     std::vector<int32_t> tokens;  // prompt followed by generated tokens
     size_t n_prompt;
+    // Whether the token at `pos` was generated (by this request, or before it was resubmitted):
+    // its products are exact (BatchToken::exact).
+    bool generated(size_t pos) const { return pos + size_t(params.resumed) >= n_prompt; }
     size_t n_computed = 0;        // tokens whose K/V are in the cache
     int slot = -1;                // KV slot, -1 while waiting
     RequestParams params;

@@ -84,14 +84,14 @@ void Engine::run_forward(const std::vector<BatchToken>& batch, float* logits, fl
     return;
   }
   std::lock_guard<std::mutex> lock(comm_mu_);
-  // Plan: T, then (token, pos, seq, want) per token, then per sequence its slot and its block
+  // Plan: T, then (token, pos, seq, want | exact << 1) per token, then per sequence its slot and its block
   // table in each KV group.
   plan_.clear();
   plan_.push_back(int32_t(batch.size()));
   std::vector<int32_t>& seqs = plan_seqs_;
   seqs.clear();
   for (const BatchToken& b : batch) {
-    plan_.insert(plan_.end(), {b.token, b.pos, b.seq, int32_t(b.want_logits)});
+    plan_.insert(plan_.end(), {b.token, b.pos, b.seq, int32_t(b.want_logits) | int32_t(b.exact) << 1});
     if (std::find(seqs.begin(), seqs.end(), b.seq) == seqs.end()) seqs.push_back(b.seq);
   }
   plan_.push_back(int32_t(seqs.size()));
@@ -162,9 +162,10 @@ void Engine::apply_plan() {
     if (b.pos < 0 || b.pos >= context_) bad("token ", t, " has position ", b.pos, " (context 0..", context_ - 1, ")");
     if (b.seq < 0 || b.seq >= max_seqs)
       bad("token ", t, " has sequence slot ", b.seq, " (valid 0..", max_seqs - 1, ")");
-    if (want != 0 && want != 1) bad("token ", t, " has want_logits ", want, " (0 or 1)");
-    b.want_logits = want != 0;
-    wants += want;
+    if (want < 0 || want > 3) bad("token ", t, " has flags ", want, " (want_logits | exact << 1: 0..3)");
+    b.want_logits = (want & 1) != 0;
+    b.exact = (want & 2) != 0;
+    wants += want & 1;
     batch_.push_back(b);
   }
   if (wants > kMaxLogitRows) bad(wants, " logits rows (at most ", kMaxLogitRows, " per step)");

@@ -24,6 +24,11 @@ struct BatchToken {
   int32_t pos = 0;      // position within its sequence
   int32_t seq = 0;      // KV cache sequence slot
   bool want_logits = false;
+  // A generated token (decoded, drafted, or the generated part of a resubmitted stream): its
+  // products run exactly as a one-row product would, whatever else is in the batch, so that
+  // speculation and parked streams give bit for bit the tokens plain decoding gives. Prompt
+  // tokens may take faster batch kernels (prefill panels) whose rounding differs.
+  bool exact = false;
 };
 
 // What one forward gives every block.

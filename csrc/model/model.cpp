@@ -155,6 +155,8 @@ double Model::reserve(int max_tokens, int64_t max_ctx, bool count_only) {
   scratch_ = std::move(s);
   max_tokens_ = max_tokens;
   max_ctx_ = max_ctx;
+  exact_.assign(size_t(max_tokens), 0);
+  all_exact_.assign(size_t(max_tokens), 1);
   if (tp_.size > 1) emb_rows_.assign(size_t(max_tokens) * tok_embd_.row_stride, 0);
   return bytes;
 }
@@ -170,11 +172,21 @@ void Model::load_batch(const std::vector<BatchToken>& batch) {
     TF_CHECK(bt.token >= 0 && bt.token < cfg_.n_vocab, "token id ", bt.token, " out of range");
     TF_CHECK(bt.pos >= 0 && bt.pos < max_ctx_, "position ", bt.pos, " exceeds the context");
     tokens_[t] = bt.token;
+    exact_[size_t(t)] = bt.exact ? 1 : 0;
     seqs_[t] = bt.seq;
     ends_[t] = int64_t(bt.pos) + 1;
     rope_angles(cfg_, bt.pos, rope_cs_ + t * rd);
   }
 }
+
+namespace {
+// The batch's exact rows on the backend for one forward, reset however the forward ends.
+struct ExactRows {
+  Backend& be;
+  ExactRows(Backend& b, const uint8_t* mask, int64_t T) : be(b) { be.set_exact_rows(mask, T); }
+  ~ExactRows() { be.set_exact_rows(nullptr, 0); }
+};
+}  // namespace
 
 void Model::forward_nextn(int j, const std::vector<BatchToken>& batch, const float* hidden, KvCache& kv,
                           float* logits) {
@@ -184,6 +196,7 @@ void Model::forward_nextn(int j, const std::vector<BatchToken>& batch, const flo
   load_batch(batch);
   const int64_t T = int64_t(batch.size()), E = cfg_.n_embd;
   Backend& be = *be_;
+  const ExactRows exact_rows(be, exact_.data(), T);
   const int64_t W = residual_->state_width(), S = W / E;
   be.embed(n.embed.data ? n.embed : tok_embd_, tokens_, T, emb_, E);
   be.from_host(nextn_h_, hidden, size_t(T * W) * sizeof(float));
@@ -210,6 +223,7 @@ void Model::forward(const std::vector<BatchToken>& batch, KvCache& kv, float* lo
   load_batch(batch);
   const int64_t T = int64_t(batch.size());
   Backend& be = *be_;
+  const ExactRows exact_rows(be, exact_.data(), T);
   const int64_t E = cfg_.n_embd;
   if (tp_.size > 1) {
     // Under TP the mapping stays untouched: the batch's embedding rows read with pread.
@@ -251,6 +265,9 @@ void Model::head(StepContext& ctx, const float* h, float* logits, const float* n
   if (n_out == 0 || !logits) return;
   TF_CHECK(n_out <= kMaxLogitRows, "too many logit rows for one forward");
   if (stats_) stats_->record(stat_output_, xn_, n_out, E);
+  // Logit rows are few (decode-like): every one is computed as a one-row product, whatever its
+  // token's role and however many there are.
+  be.set_exact_rows(all_exact_.data(), n_out);
   if (tp_.size == 1) {
     const Product p{out, logits, V};
     be.matmul(xn_, n_out, E, &p, 1);

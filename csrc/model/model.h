@@ -122,6 +122,8 @@ class Model {
   int32_t *tokens_ = nullptr, *seqs_ = nullptr, *emb_idx_ = nullptr;
   int64_t* ends_ = nullptr;
   std::vector<uint8_t> emb_rows_;  // TP: the batch's embedding rows, read with pread
+  std::vector<uint8_t> exact_;     // per batch row: BatchToken::exact (Backend::set_exact_rows)
+  std::vector<uint8_t> all_exact_;  // all ones: the logit rows
   std::vector<std::vector<int32_t>> trace_;
   ActivationStats* stats_ = nullptr;
   int stat_output_ = -1;

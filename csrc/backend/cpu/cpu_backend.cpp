@@ -40,6 +40,12 @@ struct MatmulJob {
   int64_t ncols;
   float* y;
   int64_t ldy;
+  // With a mask (Backend::set_exact_rows) a column's kernel follows its row's role, never the
+  // column count: exact rows as one-column products are (the decode class's row kernel), the
+  // others through the prefill class's kernel (the panels where the format has them), so no
+  // token's rounding depends on what else is in the batch. Without one, by column count.
+  bool exact;
+  bool by_role;
 };
 
 void free_host(void* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
@@ -108,6 +114,11 @@ class CpuBackend final : public Backend {
   }
 
   // -- products ----------------------------------------------------------------------------
+  void set_exact_rows(const uint8_t* mask, int64_t T) override {
+    exact_mask_ = mask;
+    exact_T_ = mask ? T : 0;
+  }
+
   void matmul(const float* x, int64_t T, int64_t ldx, const Product* ps, size_t n) override {
     if (n == 0 || T == 0) return;
     GgmlType rep[kLayouts] = {};
@@ -123,7 +134,7 @@ class CpuBackend final : public Backend {
     jobs_.clear();
     for (size_t i = 0; i < n; ++i) {
       const Act& a = act_[layout(ps[i].w->type)];
-      jobs_.push_back({*ps[i].w, a.data.data(), a.stride, T, ps[i].y, ps[i].ldy});
+      add_jobs(*ps[i].w, a.data.data(), a.stride, T, ps[i].y, ps[i].ldy, [&](int64_t c) { return c; }, T);
     }
     run_jobs();
   }
@@ -146,6 +157,7 @@ class CpuBackend final : public Backend {
       // Each source row quantized once, then copied into list order for every layout.
       int64_t n_src = 0;
       for (int64_t i = base; i < base + rows; ++i) n_src = std::max<int64_t>(n_src, g.gather[i] + 1);
+      n_src_rows_ = exact_T_ > 0 ? exact_T_ : n_src;  // gathered from the forward's rows
       quantize(mask, rep, x, n_src, k, ldx, act_, nullptr);
       for (size_t l = 0; l < kLayouts; ++l) {
         if (!(mask & (1u << l))) continue;
@@ -158,13 +170,16 @@ class CpuBackend final : public Backend {
       quantize(mask, rep, x + base * ldx, rows, k, ldx, grouped_, nullptr);
     }
     jobs_.clear();
+    // A list row's forward row: its source row (the gathered token), or itself.
+    const int64_t n_rows = g.gather ? n_src_rows_ : g.offsets[g.last];
     for (size_t i = 0; i < n; ++i) {
       const Act& a = grouped_[layout(ps[i].w->first.type)];
       for (int64_t e = g.first; e < g.last; ++e) {
         const int64_t off = g.offsets[e], c = g.offsets[e + 1] - off;
         if (c == 0) continue;
-        jobs_.push_back({ps[i].w->at(e - g.first), a.data.data() + size_t(off - base) * a.stride, a.stride, c,
-                         ps[i].y + off * ps[i].ldy, ps[i].ldy});
+        add_jobs(ps[i].w->at(e - g.first), a.data.data() + size_t(off - base) * a.stride, a.stride, c,
+                 ps[i].y + off * ps[i].ldy, ps[i].ldy,
+                 [&](int64_t j) { return g.gather ? int64_t(g.gather[off + j]) : off + j; }, n_rows);
       }
     }
     run_jobs();
@@ -189,8 +204,8 @@ class CpuBackend final : public Backend {
     for (size_t i = 0; i < n; ++i) {
       const Act& a = grouped_[layout(ps[i].w->first.type)];
       for (int64_t e = 0; e < M; ++e)
-        jobs_.push_back({ps[i].w->at(e), a.data.data() + size_t(e) * a.stride, size_t(M) * a.stride, g.rows,
-                         ps[i].y + e * g.y_mat, ps[i].ldy});
+        add_jobs(ps[i].w->at(e), a.data.data() + size_t(e) * a.stride, size_t(M) * a.stride, g.rows,
+                 ps[i].y + e * g.y_mat, ps[i].ldy, [](int64_t j) { return j; }, g.rows);
     }
     run_jobs();
   }
@@ -538,6 +553,28 @@ class CpuBackend final : public Backend {
     });
   }
 
+  // Jobs for columns [0, ncols) of one weight, cut into runs of equal exactness: column j is
+  // forward row row_of(j) of a product over n_rows rows (a product over other rows than the
+  // forward's, the logit rows, is exact whenever a mask is set).
+  template <typename RowOf>
+  void add_jobs(const Weight& w, const uint8_t* xq, size_t xs, int64_t ncols, float* y, int64_t ldy, RowOf row_of,
+                int64_t n_rows) {
+    auto exact = [&](int64_t j) {
+      if (!exact_mask_) return false;
+      if (n_rows != exact_T_) return true;
+      const int64_t r = row_of(j);
+      return r < 0 || r >= exact_T_ || exact_mask_[r] != 0;
+    };
+    int64_t c0 = 0;
+    while (c0 < ncols) {
+      const bool e = exact(c0);
+      int64_t c1 = c0 + 1;
+      while (c1 < ncols && exact(c1) == e) ++c1;
+      jobs_.push_back({w, xq + size_t(c0) * xs, xs, c1 - c0, y + c0 * ldy, ldy, e, exact_mask_ != nullptr});
+      c0 = c1;
+    }
+  }
+
   void run_jobs() {
     // Every job's rows are cut into chunks of whole 16-row tiles, about kChunksPerThread chunks
     // per thread over all jobs together; threads claim chunks as they come free, so a slow or
@@ -558,7 +595,16 @@ class CpuBackend final : public Backend {
       const size_t ji = size_t(std::upper_bound(first_chunk_.begin(), first_chunk_.end(), c) - first_chunk_.begin()) - 1;
       const MatmulJob& j = jobs_[ji];
       const int64_t r0 = (c - first_chunk_[ji]) * per, r1 = std::min(j.w.rows, r0 + per);
-      const CpuIsa isa = tuned_ ? cpu::kernel_choice(j.w.type, cpu::shape_class(j.ncols), isa_) : isa_;
+      // Exact columns take the decode class's row kernel (it gives a column the same result for any
+      // column count); the others the prefill class's, through the panels where the format has them.
+      const cpu::ShapeClass cls = j.exact     ? cpu::ShapeClass::Decode
+                                  : j.by_role ? cpu::ShapeClass::Prefill
+                                              : cpu::shape_class(j.ncols);
+      const CpuIsa isa = tuned_ ? cpu::kernel_choice(j.w.type, cls, isa_) : isa_;
+      if (!j.exact && cls == cpu::ShapeClass::Prefill && (j.by_role || j.ncols >= cpu::kPanelMinColumns) &&
+          cpu::detail::matmul_rows_panels(isa, j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride,
+                                          j.ncols, j.y, j.ldy))
+        return;
       cpu::detail::matmul_rows_isa(isa, j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride,
                                    j.ncols, j.y, j.ldy);
     });
@@ -583,6 +629,9 @@ class CpuBackend final : public Backend {
 
   CpuIsa isa_;
   bool tuned_;
+  const uint8_t* exact_mask_ = nullptr;  // set_exact_rows
+  int64_t exact_T_ = 0;
+  int64_t n_src_rows_ = 0;  // matmul_stack: the rows its list gathers from
   const cpu::VecOps& ops_;
   ThreadPool pool_;
   Act act_[kLayouts], grouped_[kLayouts];

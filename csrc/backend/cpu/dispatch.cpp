@@ -122,6 +122,14 @@ void matmul_rows_isa(CpuIsa isa, GgmlType wt, int64_t k, const void* w, size_t w
   fn_for(isa, tr)(k, w, w_stride, r0, r1, xq, xq_stride, ncols, y, ldy);
 }
 
+bool matmul_rows_panels(CpuIsa isa, GgmlType wt, int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1,
+                        const void* xq, size_t xq_stride, int64_t ncols, float* y, int64_t ldy) {
+  const CpuKernels& tr = checked(wt, k);
+  if (isa != CpuIsa::Avx512 || !tr.avx512_panels || !isa_available(isa)) return false;
+  if (r1 > r0 && ncols > 0) tr.avx512_panels(k, w, w_stride, r0, r1, xq, xq_stride, ncols, y, ldy);
+  return true;
+}
+
 }  // namespace detail
 
 }  // namespace tf::cpu

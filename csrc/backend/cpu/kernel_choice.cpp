@@ -102,6 +102,10 @@ double time_kernel(GgmlType t, ShapeClass c, CpuIsa isa, int threads, size_t dec
   auto once = [&] {
     pool.run_chunks(n_chunks, [&](int64_t ch, int) {
       const int64_t r0 = ch * per, r1 = std::min(rows, r0 + per);
+      // As the backend runs it: prefill through the format's panels where the ISA has them.
+      if (c == ShapeClass::Prefill &&
+          detail::matmul_rows_panels(isa, t, k, w.data(), rb, r0, r1, xq.data(), xs, ncols, y.data(), rows))
+        return;
       detail::matmul_rows_isa(isa, t, k, w.data(), rb, r0, r1, xq.data(), xs, ncols, y.data(), rows);
     });
   };

@@ -17,6 +17,8 @@ namespace tf::cpu {
 // prefill: many columns, tiles reused from cache.
 enum class ShapeClass { Decode = 0, Prefill = 1 };
 constexpr int64_t kDecodeMaxColumns = 4;
+// Products of at least this many (non-exact) columns may take a format's prefill panels.
+constexpr int64_t kPanelMinColumns = 8;
 inline ShapeClass shape_class(int64_t ncols) { return ncols <= kDecodeMaxColumns ? ShapeClass::Decode : ShapeClass::Prefill; }
 const char* shape_class_name(ShapeClass c);
 bool parse_shape_class(const char* name, ShapeClass* out);

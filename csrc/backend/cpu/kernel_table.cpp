@@ -5,6 +5,8 @@
 
 #include "core/dtype.h"
 
+#include <utility>
+
 #define TF_KERNEL_PARAMS int64_t, const void*, size_t, int64_t, int64_t, const void*, size_t, int64_t, float*, int64_t
 #define TF_DECLARE_KERNELS(ns)    \
   namespace tf::cpu::ns {         \
@@ -42,6 +44,23 @@ TF_DECLARE_KERNELS(tq2_0)
 TF_DECLARE_KERNELS(iq1_s)
 TF_DECLARE_KERNELS(iq1_m)
 
+#define TF_DECLARE_PANELS(ns) \
+  namespace tf::cpu::ns {       \
+  void avx512_panels(TF_KERNEL_PARAMS); \
+  }
+#if defined(TF_HAVE_X86_KERNELS)
+TF_DECLARE_PANELS(q4_0)
+TF_DECLARE_PANELS(q4_1)
+TF_DECLARE_PANELS(q5_0)
+TF_DECLARE_PANELS(q5_1)
+TF_DECLARE_PANELS(q8_0)
+TF_DECLARE_PANELS(q2_k)
+TF_DECLARE_PANELS(q3_k)
+TF_DECLARE_PANELS(q4_k)
+TF_DECLARE_PANELS(q5_k)
+TF_DECLARE_PANELS(q6_k)
+#endif
+
 namespace tf::cpu {
 namespace {
 
@@ -72,9 +91,23 @@ const Row kRows[] = {
 };
 
 struct Index {
+  CpuKernels by_id_k[kGgmlTypeIdLimit] = {};
   const CpuKernels* by_id[kGgmlTypeIdLimit] = {};
   Index() {
-    for (const Row& r : kRows) by_id[uint32_t(r.type)] = &r.k;
+    for (const Row& r : kRows) {
+      by_id_k[uint32_t(r.type)] = r.k;
+      by_id[uint32_t(r.type)] = &by_id_k[uint32_t(r.type)];
+    }
+#if defined(TF_HAVE_X86_KERNELS)
+    // The formats with AVX-512 prefill panels (kernels_avx512.cpp).
+    const std::pair<GgmlType, MatmulFn> panels[] = {
+        {GgmlType::Q4_0, q4_0::avx512_panels}, {GgmlType::Q4_1, q4_1::avx512_panels},
+        {GgmlType::Q5_0, q5_0::avx512_panels}, {GgmlType::Q5_1, q5_1::avx512_panels},
+        {GgmlType::Q8_0, q8_0::avx512_panels}, {GgmlType::Q2_K, q2_k::avx512_panels},
+        {GgmlType::Q3_K, q3_k::avx512_panels}, {GgmlType::Q4_K, q4_k::avx512_panels},
+        {GgmlType::Q5_K, q5_k::avx512_panels}, {GgmlType::Q6_K, q6_k::avx512_panels}};
+    for (const auto& [t, fn] : panels) by_id_k[uint32_t(t)].avx512_panels = fn;
+#endif
   }
 };
 

@@ -181,143 +181,35 @@ void g32_cols(int64_t k, const uint8_t* w, size_t ws, const uint8_t* xq, size_t 
   }
 }
 
-// Prefill panels (many columns): the panel driver of the 256-value formats (panel_avx512.h)
-// for the 32-value blocks. A 16-row panel holds, per group of two blocks, the unsigned codes
-// in vpdpbusd's layout (q[g] lane r = row r's values 4g..4g+3) and each row's d (and min):
-//
-//   acc_c = sum_g dpbusd(q[g], broadcast(x_c[4g..4g+3]))     (lane r: row r's integer dot)
-//   y_c  += d_w * (d_x * acc_c - off * s_x)  [+ m_w * s_x]    (per block; s_x = d_x * sum(x))
-//
-// so every column costs one vpdpbusd per 64 multiply-adds and three float ops per block for 16
-// rows, where the row-pair tile spends four per 64. The codes are unpacked once per panel and
-// used by every column.
-constexpr int kG32PanelGroups = 16;  // groups (64 values) per slab: ~20 KB, stays in L1
-constexpr int kG32PanelCols = 8;
-constexpr int64_t kG32PanelMinCols = 8;  // narrower products keep the row-pair tile
+// Prefill (many columns): 16-row VNNI panels of block pairs (panel_avx512.h,
+// matmul_g32_panels_avx512), the codes unpacked by unpack_w.
 
-struct alignas(64) G32PanelGroup {
-  __m512i q[16];
-  __m512 d[2], m[2];  // per block: the 16 rows' scale and min
+template <T_ T>
+struct G32PanelSource {
+  static constexpr int off = G32<T>::off;
+  static constexpr bool has_min = G32<T>::min;
+  static void unpack(const uint8_t* row, int64_t b, bool two, __m512i& q, float d[2], float m[2]) {
+    using F = G32<T>;
+    const uint8_t* p = row + size_t(b) * F::bytes;
+    WReg u;
+    if (two) unpack_w<T, true>(p, u);
+    else unpack_w<T, false>(p, u);
+    q = u.q;
+    d[0] = _cvtsh_ss(ld16(p));
+    d[1] = two ? _cvtsh_ss(ld16(p + F::bytes)) : 0.f;
+    if constexpr (F::min) {
+      m[0] = _cvtsh_ss(ld16(p + 2));
+      m[1] = two ? _cvtsh_ss(ld16(p + F::bytes + 2)) : 0.f;
+    }
+  }
 };
 
+// The panels as a kernel-table entry (CpuKernels::avx512_panels).
 template <T_ T>
-inline float g32_min(const uint8_t* blk) {
-  uint16_t h;
-  std::memcpy(&h, blk + 2, 2);
-  return _cvtsh_ss(h);
-}
-
-// Rows [r, r + n) (n <= 16; the others zero) of groups [g0, g0 + ngs) into panels.
-template <T_ T>
-inline void build_g32_panels(const uint8_t* w, size_t ws, int64_t r, int n, int64_t g0, int ngs, int64_t nb,
-                             G32PanelGroup* out) {
-  using F = G32<T>;
-  alignas(64) float d[2][16], m[2][16];
-  for (int gi = 0; gi < ngs; ++gi) {
-    const int64_t b = 2 * (g0 + gi);
-    const bool two = b + 1 < nb;
-    __m512i t[16];
-    for (int i = 0; i < 16; ++i) {
-      if (i >= n) {
-        t[i] = _mm512_setzero_si512();
-        d[0][i] = d[1][i] = m[0][i] = m[1][i] = 0.f;
-        continue;
-      }
-      const uint8_t* p = w + size_t(r + i) * ws + size_t(b) * F::bytes;
-      WReg u;
-      if (two) unpack_w<T, true>(p, u);
-      else unpack_w<T, false>(p, u);
-      t[i] = u.q;
-      uint16_t h0, h1 = 0;
-      std::memcpy(&h0, p, 2);
-      if (two) std::memcpy(&h1, p + F::bytes, 2);
-      d[0][i] = _cvtsh_ss(h0);
-      d[1][i] = two ? _cvtsh_ss(h1) : 0.f;
-      if constexpr (F::min) {
-        m[0][i] = g32_min<T>(p);
-        m[1][i] = two ? g32_min<T>(p + F::bytes) : 0.f;
-      }
-    }
-    if (!two)  // the pad block of an odd count: no codes (the activations there are zero too)
-      for (int i = 0; i < 16; ++i) t[i] = _mm512_maskz_mov_epi8(0x00000000FFFFFFFFull, t[i]);
-    transpose16x16_epi32(t);
-    for (int g = 0; g < 16; ++g) out[gi].q[g] = t[g];
-    for (int h = 0; h < 2; ++h) {
-      out[gi].d[h] = _mm512_load_ps(d[h]);
-      if constexpr (F::min) out[gi].m[h] = _mm512_load_ps(m[h]);
-    }
-  }
-}
-
-template <T_ T, int NC>
-inline void g32_panel_tile(const G32PanelGroup* p, int ngs, int64_t g0, const uint8_t* xq, size_t xs, int64_t ng,
-                           float* y, int64_t ldy, __mmask16 rows, bool first) {
-  using F = G32<T>;
-  __m512 tot[NC];
-  for (int c = 0; c < NC; ++c) tot[c] = _mm512_setzero_ps();
-  for (int gi = 0; gi < ngs; ++gi) {
-    const G32PanelGroup& pg = p[gi];
-    const int64_t g = g0 + gi;
-    for (int h = 0; h < 2; ++h) {
-      __m512i acc[NC];
-      for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        const __m512i wq = pg.q[8 * h + j];
-        for (int c = 0; c < NC; ++c) {
-          int32_t xv;
-          std::memcpy(&xv, xq + size_t(c) * xs + size_t(64 * g + 32 * h + 4 * j), 4);
-          acc[c] = _mm512_dpbusd_epi32(acc[c], wq, _mm512_set1_epi32(xv));
-        }
-      }
-      for (int c = 0; c < NC; ++c) {
-        const float* sc = reinterpret_cast<const float*>(xq + size_t(c) * xs + size_t(ng) * 64) + 4 * g;
-        const float dx = sc[h], sx = sc[2 + h];
-        __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]), _mm512_set1_ps(dx), _mm512_set1_ps(-float(F::off) * sx));
-        tot[c] = _mm512_fmadd_ps(t, pg.d[h], tot[c]);
-        if constexpr (F::min) tot[c] = _mm512_fmadd_ps(pg.m[h], _mm512_set1_ps(sx), tot[c]);
-      }
-    }
-  }
-  for (int c = 0; c < NC; ++c) {
-    float* dst = y + c * ldy;
-    if (!first) tot[c] = _mm512_add_ps(tot[c], _mm512_maskz_loadu_ps(rows, dst));
-    _mm512_mask_storeu_ps(dst, rows, tot[c]);
-  }
-}
-
-template <T_ T>
-void matmul_g32_panels(int64_t k, const uint8_t* w, size_t ws, int64_t r0, int64_t r1, const uint8_t* xq, size_t xs,
-                       int64_t ncols, float* y, int64_t ldy) {
-  const int64_t nb = k / 32, ng = g32_groups(k);
-  alignas(64) G32PanelGroup panel[kG32PanelGroups];
-  for (int64_t r = r0; r < r1; r += 16) {
-    const int n = int(std::min<int64_t>(16, r1 - r));
-    const __mmask16 rows = __mmask16((1u << n) - 1);
-    for (int64_t g0 = 0; g0 < ng; g0 += kG32PanelGroups) {
-      const int ngs = int(std::min<int64_t>(kG32PanelGroups, ng - g0));
-      build_g32_panels<T>(w, ws, r, n, g0, ngs, nb, panel);
-      const bool first = g0 == 0;
-      int64_t c = 0;
-      for (; c + kG32PanelCols <= ncols; c += kG32PanelCols)
-        g32_panel_tile<T, kG32PanelCols>(panel, ngs, g0, xq + size_t(c) * xs, xs, ng, y + c * ldy + r, ldy, rows,
-                                         first);
-      switch (ncols - c) {
-#define TF_G32_PANEL_REST(N)                                                                                    \
-  case N:                                                                                                       \
-    g32_panel_tile<T, N>(panel, ngs, g0, xq + size_t(c) * xs, xs, ng, y + c * ldy + r, ldy, rows, first); \
-    break;
-        TF_G32_PANEL_REST(1)
-        TF_G32_PANEL_REST(2)
-        TF_G32_PANEL_REST(3)
-        TF_G32_PANEL_REST(4)
-        TF_G32_PANEL_REST(5)
-        TF_G32_PANEL_REST(6)
-        TF_G32_PANEL_REST(7)
-#undef TF_G32_PANEL_REST
-        default: break;
-      }
-    }
-  }
+void matmul_g32_panel_entry(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                            int64_t ncols, float* y, int64_t ldy) {
+  matmul_g32_panels_avx512<G32PanelSource<T>>(k, static_cast<const uint8_t*>(w), ws, r0, r1,
+                                              static_cast<const uint8_t*>(xq), xs, ncols, y, ldy);
 }
 
 template <T_ T>
@@ -326,7 +218,6 @@ void matmul_g32(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, co
   const uint8_t* w = static_cast<const uint8_t*>(wv);
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
   int64_t r = r0;
-  if (ncols >= kG32PanelMinCols) return matmul_g32_panels<T>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
   if (ncols == 1) {  // GEMV: one row at a time, so the weights are read as one sequential stream
     for (; r < r1; ++r) g32_tile<T, 1, 1>(k, w + r * ws, ws, xq, xs, y + r, ldy);
     return;
@@ -537,7 +428,6 @@ void k_cols(const KW* kw, int kcb, const uint8_t* xq, size_t xs, int64_t ncols, 
 // its min one FMA with the activation's 16-value sum.
 constexpr int kKPanelSlab = 4;       // 256-value blocks per slab (~20 KB: stays in L1)
 constexpr int kKPanelCols = 8;
-constexpr int64_t kKPanelMinCols = 8;
 
 struct alignas(64) KPanelBlock {
   __m512i q[64];  // q[g]: rows' values 4g..4g+3
@@ -676,11 +566,16 @@ void matmul_k_panels(int64_t k, const uint8_t* w, size_t ws, int64_t r0, int64_t
 }
 
 template <T_ T>
+void matmul_k_panel_entry(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1, const void* xq, size_t xs,
+                          int64_t ncols, float* y, int64_t ldy) {
+  matmul_k_panels<T>(k, static_cast<const uint8_t*>(w), ws, r0, r1, static_cast<const uint8_t*>(xq), xs, ncols, y, ldy);
+}
+
+template <T_ T>
 void matmul_k(int64_t k, const void* wv, size_t ws, int64_t r0, int64_t r1, const void* xv,
               size_t xs, int64_t ncols, float* y, int64_t ldy) {
   const uint8_t* w = static_cast<const uint8_t*>(wv);
   const uint8_t* xq = static_cast<const uint8_t*>(xv);
-  if (ncols >= kKPanelMinCols) return matmul_k_panels<T>(k, w, ws, r0, r1, xq, xs, ncols, y, ldy);
   const int64_t nb = k / 256;
   constexpr size_t BB = block_bytes<T>();
   KW kw[4 * KC];
@@ -888,3 +783,13 @@ TF_EXPORT_KERNEL(q3_k, avx512, matmul_k<GgmlType::Q3_K>)
 TF_EXPORT_KERNEL(q4_k, avx512, matmul_k<GgmlType::Q4_K>)
 TF_EXPORT_KERNEL(q5_k, avx512, matmul_k<GgmlType::Q5_K>)
 TF_EXPORT_KERNEL(q6_k, avx512, matmul_k<GgmlType::Q6_K>)
+TF_EXPORT_KERNEL(q4_0, avx512_panels, matmul_g32_panel_entry<GgmlType::Q4_0>)
+TF_EXPORT_KERNEL(q4_1, avx512_panels, matmul_g32_panel_entry<GgmlType::Q4_1>)
+TF_EXPORT_KERNEL(q5_0, avx512_panels, matmul_g32_panel_entry<GgmlType::Q5_0>)
+TF_EXPORT_KERNEL(q5_1, avx512_panels, matmul_g32_panel_entry<GgmlType::Q5_1>)
+TF_EXPORT_KERNEL(q8_0, avx512_panels, matmul_g32_panel_entry<GgmlType::Q8_0>)
+TF_EXPORT_KERNEL(q2_k, avx512_panels, matmul_k_panel_entry<GgmlType::Q2_K>)
+TF_EXPORT_KERNEL(q3_k, avx512_panels, matmul_k_panel_entry<GgmlType::Q3_K>)
+TF_EXPORT_KERNEL(q4_k, avx512_panels, matmul_k_panel_entry<GgmlType::Q4_K>)
+TF_EXPORT_KERNEL(q5_k, avx512_panels, matmul_k_panel_entry<GgmlType::Q5_K>)
+TF_EXPORT_KERNEL(q6_k, avx512_panels, matmul_k_panel_entry<GgmlType::Q6_K>)

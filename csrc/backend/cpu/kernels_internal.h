@@ -93,6 +93,10 @@ void matmul_rows_isa(CpuIsa isa, GgmlType wt, int64_t k, const void* w, size_t w
                      int64_t r0, int64_t r1, const void* xq, size_t xq_stride, int64_t ncols,
                      float* y, int64_t ldy);
 bool isa_available(CpuIsa isa);
+// The same product through the format's prefill panels (CpuKernels::avx512_panels) when `isa`
+// has them for wt; false (nothing computed) otherwise.
+bool matmul_rows_panels(CpuIsa isa, GgmlType wt, int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1,
+                        const void* xq, size_t xq_stride, int64_t ncols, float* y, int64_t ldy);
 
 // Streams n bytes (a memory-bandwidth probe); returns a value depending on every byte.
 uint64_t read_bytes(const void* p, size_t n);

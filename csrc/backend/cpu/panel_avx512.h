@@ -177,6 +177,128 @@ TF_TARGET_AVX512 void matmul_d256_panels_avx512(int64_t k, const void* wv, size_
   }
 }
 
+// ---- 32-value blocks (Q8_32 activations: pairs of blocks, per block d and s = d * sum(q)) ----
+// The same panels for the 32-value block formats. A 16-row panel holds, per group of two
+// blocks, the unsigned codes in vpdpbusd's layout (q[g] lane r = row r's values 4g..4g+3) and
+// each row's scale (and min):
+//
+//   acc_c = sum_g dpbusd(q[g], broadcast(x_c[4g..4g+3]))    (lane r: row r's integer dot)
+//   y_c  += d_w * (d_x * acc_c - off * s_x)  [+ m_w * s_x]   (per block)
+//
+// off: the bias that keeps the codes unsigned (Q4_0 8, Q5_0 16, Q8_0 128); m_w: the
+// min of Q4_1 / Q5_1. Every column costs one vpdpbusd per 64 multiply-adds and two or three
+// float ops per block for 16 rows. Src supplies off, has_min and
+// unpack(row, block, two, q64, d[2], m[2]): the codes of blocks b and b + 1 (two: b + 1 exists;
+// else its half of q64 is ignored) with their scales and mins.
+constexpr int kPanel32Groups = 16;  // block pairs per slab (~20 KB: stays in L1)
+constexpr int kPanel32Cols = 8;
+
+struct alignas(64) Panel32Group {
+  __m512i q[16];
+  __m512 d[2], m[2];  // per block: the 16 rows' scale and min
+};
+
+template <typename Src>
+TF_TARGET_AVX512 inline void build_panels32(const uint8_t* w, size_t ws, int64_t r, int n, int64_t g0, int ngs,
+                                            int64_t nb, Panel32Group* out) {
+  alignas(64) float d[2][16], m[2][16] = {};
+  for (int gi = 0; gi < ngs; ++gi) {
+    const int64_t b = 2 * (g0 + gi);
+    const bool two = b + 1 < nb;
+    __m512i t[16];
+    for (int i = 0; i < 16; ++i) {
+      float dd[2] = {0.f, 0.f}, mm[2] = {0.f, 0.f};
+      if (i < n) {
+        Src::unpack(w + size_t(r + i) * ws, b, two, t[i], dd, mm);
+        if (!two) t[i] = _mm512_maskz_mov_epi8(0x00000000FFFFFFFFull, t[i]);  // no pad codes
+      } else {
+        t[i] = _mm512_setzero_si512();
+      }
+      d[0][i] = dd[0];
+      d[1][i] = dd[1];
+      m[0][i] = mm[0];
+      m[1][i] = mm[1];
+    }
+    transpose16x16_epi32(t);
+    for (int g = 0; g < 16; ++g) out[gi].q[g] = t[g];
+    for (int h = 0; h < 2; ++h) {
+      out[gi].d[h] = _mm512_load_ps(d[h]);
+      out[gi].m[h] = _mm512_load_ps(m[h]);
+    }
+  }
+}
+
+template <typename Src, int NC>
+TF_TARGET_AVX512 inline void panel32_tile(const Panel32Group* p, int ngs, int64_t g0, const uint8_t* xq, size_t xs,
+                                          int64_t ng, float* y, int64_t ldy, __mmask16 rows, bool first) {
+  __m512 tot[NC];
+  for (int c = 0; c < NC; ++c) tot[c] = _mm512_setzero_ps();
+  for (int gi = 0; gi < ngs; ++gi) {
+    const Panel32Group& pg = p[gi];
+    const int64_t g = g0 + gi;
+    for (int h = 0; h < 2; ++h) {
+      __m512i acc[NC];
+      for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        const __m512i wq = pg.q[8 * h + j];
+        for (int c = 0; c < NC; ++c) {
+          int32_t xv;
+          std::memcpy(&xv, xq + size_t(c) * xs + size_t(64 * g + 32 * h + 4 * j), 4);
+          acc[c] = _mm512_dpbusd_epi32(acc[c], wq, _mm512_set1_epi32(xv));
+        }
+      }
+      for (int c = 0; c < NC; ++c) {
+        const float* sc = reinterpret_cast<const float*>(xq + size_t(c) * xs + size_t(ng) * 64) + 4 * g;
+        const float dx = sc[h], sx = sc[2 + h];
+        const __m512 t =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]), _mm512_set1_ps(dx), _mm512_set1_ps(-float(Src::off) * sx));
+        tot[c] = _mm512_fmadd_ps(t, pg.d[h], tot[c]);
+        if constexpr (Src::has_min) tot[c] = _mm512_fmadd_ps(pg.m[h], _mm512_set1_ps(sx), tot[c]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c) {
+    float* dst = y + c * ldy;
+    if (!first) tot[c] = _mm512_add_ps(tot[c], _mm512_maskz_loadu_ps(rows, dst));
+    _mm512_mask_storeu_ps(dst, rows, tot[c]);
+  }
+}
+
+template <typename Src>
+TF_TARGET_AVX512 void matmul_g32_panels_avx512(int64_t k, const uint8_t* w, size_t ws, int64_t r0, int64_t r1,
+                                               const uint8_t* xq, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  const int64_t nb = k / 32, ng = g32_groups(k);
+  alignas(64) Panel32Group panel[kPanel32Groups];
+  for (int64_t r = r0; r < r1; r += kPanelRows) {
+    const int n = int(std::min<int64_t>(kPanelRows, r1 - r));
+    const __mmask16 rows = __mmask16((1u << n) - 1);
+    for (int64_t g0 = 0; g0 < ng; g0 += kPanel32Groups) {
+      const int ngs = int(std::min<int64_t>(kPanel32Groups, ng - g0));
+      build_panels32<Src>(w, ws, r, n, g0, ngs, nb, panel);
+      const bool first = g0 == 0;
+      int64_t c = 0;
+      for (; c + kPanel32Cols <= ncols; c += kPanel32Cols)
+        panel32_tile<Src, kPanel32Cols>(panel, ngs, g0, xq + size_t(c) * xs, xs, ng, y + c * ldy + r, ldy, rows,
+                                        first);
+      switch (ncols - c) {
+#define TF_PANEL32_REST(N)                                                                                     \
+  case N:                                                                                                      \
+    panel32_tile<Src, N>(panel, ngs, g0, xq + size_t(c) * xs, xs, ng, y + c * ldy + r, ldy, rows, first); \
+    break;
+        TF_PANEL32_REST(1)
+        TF_PANEL32_REST(2)
+        TF_PANEL32_REST(3)
+        TF_PANEL32_REST(4)
+        TF_PANEL32_REST(5)
+        TF_PANEL32_REST(6)
+        TF_PANEL32_REST(7)
+#undef TF_PANEL32_REST
+        default: break;
+      }
+    }
+  }
+}
+
 }  // namespace tf::cpu::detail
 
 #endif  // TF_HAVE_X86_KERNELS
