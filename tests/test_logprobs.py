@@ -39,7 +39,7 @@ def test_greedy_logprobs_match_numpy_log_softmax(engine, k):
     events = run(core, prompt, 8, temperature=0.0, top_logprobs=k)
     assert len(events) == 8 and all(e.logprob is not None for e in events)
     toks = [e.token for e in events]
-    ref = log_softmax(engine.logits(prompt + toks[:-1])[len(prompt) - 1:])
+    ref = log_softmax(engine.logits(prompt + toks[:-1], generated_from=len(prompt))[len(prompt) - 1:])
     for j, e in enumerate(events):
         tok, lp, top = e.token, e.logprob, e.top
         assert isinstance(lp, float) and abs(lp - ref[j, tok]) < TOL
@@ -65,7 +65,7 @@ def test_logprobs_ignore_temperature_and_filters(engine):
     prompt = engine.tokenize("Once upon a time")
     events = run(core, prompt, 6, temperature=1.5, top_k=5, top_p=0.9, min_p=0.0, seed=7, top_logprobs=3)
     toks = [e.token for e in events]
-    ref = log_softmax(engine.logits(prompt + toks[:-1])[len(prompt) - 1:])
+    ref = log_softmax(engine.logits(prompt + toks[:-1], generated_from=len(prompt))[len(prompt) - 1:])
     for j, e in enumerate(events):
         assert abs(e.logprob - ref[j, e.token]) < TOL
         assert [t for t, _ in e.top] == list(np.argsort(-ref[j], kind="stable")[:3])
@@ -107,7 +107,7 @@ def test_python_generate_returns_logprobs_of_its_tokens(engine):
     assert plain.logprobs is None and got.token_ids == plain.token_ids
     assert [lp.token for lp in got.logprobs] == got.token_ids
     for i, lp in enumerate(got.logprobs):
-        ref = log_softmax(engine.logits(prompt + got.token_ids[:i])[-1])
+        ref = log_softmax(engine.logits(prompt + got.token_ids[:i], generated_from=len(prompt))[-1])
         assert abs(lp.logprob - ref[lp.token]) < TOL
         assert [t for t, _ in lp.top] == list(np.argsort(-ref, kind="stable")[:3])
         assert all(abs(v - ref[t]) < TOL for t, v in lp.top)

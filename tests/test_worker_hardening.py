@@ -416,7 +416,7 @@ HOSTILE = {
     "token = n_vocab": (_plan(tokens=[(_N_VOCAB, 0, 0, 1)]), f"has id {_N_VOCAB} (vocabulary 0..{_N_VOCAB - 1})"),
     "position = context": (_plan(tokens=[(5, CONTEXT, 0, 1)]), f"position {CONTEXT} (context 0..{CONTEXT - 1})"),
     "position past the table": (_plan(tokens=[(5, 16, 0, 1)]), "position 16 beyond the 1 blocks"),
-    "want 2": (_plan(tokens=[(5, 0, 0, 2)]), "want_logits 2"),
+    "flags 4": (_plan(tokens=[(5, 0, 0, 4)]), "flags 4"),  # want_logits | exact << 1 is 0..3
     "T 0": ([0] * 8, "0 tokens"),
     "T 10^6": (_plan(T=10**6), "1000000 tokens"),
     "n_seq 2 for 1 token": (_plan(n_seq=2), "2 sequences for 1 tokens"),

@@ -283,7 +283,7 @@ void bind_engine(py::module_& m) {
       .def("has_unfinished", &Engine::has_unfinished, py::call_guard<py::gil_scoped_release>())
       .def("n_active", &Engine::n_active, py::call_guard<py::gil_scoped_release>())
       .def("logits",
-           [](Engine& e, const std::vector<int32_t>& ids) {
+           [](Engine& e, const std::vector<int32_t>& ids, int64_t generated_from) {
              // The engine writes straight into the array it returns: the result exists once.
              const int64_t V = e.config().n_vocab;
              py::array_t<float> a({int64_t(ids.size()), V});
@@ -291,11 +291,13 @@ void bind_engine(py::module_& m) {
              {
                py::gil_scoped_release nogil;
                InterruptScope ctrl_c;
-               e.logits(ids, out);
+               e.logits(ids, out, generated_from);
              }
              return a;
            },
-           py::arg("ids"))
+           py::arg("ids"), py::arg("generated_from") = -1,
+           "logits of every position; generated_from: ids from there on are generated tokens (computed "
+           "as decoding computes them: a generation's logits exactly)")
       .def("nextn_logits",
            [](Engine& e, const std::vector<int32_t>& ids) {
              const int64_t V = e.config().n_vocab;

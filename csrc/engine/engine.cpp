@@ -654,7 +654,7 @@ bool Engine::verify(Sequence& s, const float* lg, const float* hidden, std::vect
   return false;
 }
 
-void Engine::logits(const std::vector<int32_t>& ids, float* out) {
+void Engine::logits(const std::vector<int32_t>& ids, float* out, int64_t generated_from) {
   require_leader("logits");
   TF_CHECK(!ids.empty(), "logits: empty token list");
   TF_CHECK(int64_t(ids.size()) <= context_, "logits: ", ids.size(), " tokens exceed the context ", context_);
@@ -662,10 +662,10 @@ void Engine::logits(const std::vector<int32_t>& ids, float* out) {
     TF_CHECK(t >= 0 && t < config().n_vocab, "token id ", t, " is outside the vocabulary (0..",
              config().n_vocab - 1, ")");
   std::lock_guard<std::mutex> lock(mu_);
-  logits_locked(ids, out);
+  logits_locked(ids, out, generated_from);
 }
 
-void Engine::logits_locked(const std::vector<int32_t>& ids, float* out) {
+void Engine::logits_locked(const std::vector<int32_t>& ids, float* out, int64_t generated_from) {
   const size_t V = size_t(config().n_vocab);
   const int slot = kv_->create_sequence();
   if (slot < 0)
@@ -681,7 +681,7 @@ void Engine::logits_locked(const std::vector<int32_t>& ids, float* out) {
     for (size_t b = 0; b < ids.size(); b += chunk) {
       batch.clear();
       for (size_t i = b; i < std::min(ids.size(), b + chunk); ++i)
-        batch.push_back({ids[i], int32_t(i), int32_t(slot), true});
+        batch.push_back({ids[i], int32_t(i), int32_t(slot), true, generated_from >= 0 && int64_t(i) >= generated_from});
       // Rows go straight to the caller's array (no second copy of the result).
       run_forward(batch, out ? out + b * V : logits_.data());
       check_weights_intact();

@@ -162,7 +162,9 @@ class Engine {
 
   // Logits of every position of `ids` as one fresh sequence, written to `out`
   // ([ids.size(), n_vocab] floats; the caller allocates, so the result exists only once).
-  void logits(const std::vector<int32_t>& ids, float* out);
+  // generated_from: the positions from which ids are generated tokens, computed as decoding
+  // computes them (BatchToken::exact; -1: none): to reproduce a generation's logits exactly.
+  void logits(const std::vector<int32_t>& ids, float* out, int64_t generated_from = -1);
   // The next-token-prediction layer's logits for `ids` as one fresh sequence: row i predicts
   // token i + 2 from the target's hidden state at i and token i + 1 ([ids.size() - 1, n_vocab];
   // checks the MTP draft head against a reference). TP=1.
@@ -220,7 +222,7 @@ class Engine {
   // hidden: the target's last hidden states of its rows (for the MTP source), or null.
   bool verify(Sequence& s, const float* lg, const float* hidden, std::vector<StepOutput>& out);
   void release_slot(Sequence& s);
-  void logits_locked(const std::vector<int32_t>& ids, float* out);
+  void logits_locked(const std::vector<int32_t>& ids, float* out, int64_t generated_from = -1);
   // TP follower: checks plan_ field by field, fills batch_ and mirrors the block tables.
   void apply_plan();
   void check_sizes(const EngineOptions& opts, int64_t n_blocks) const;

@@ -465,11 +465,19 @@ class Engine:
         """The text of token ids (bytes that are not valid UTF-8 become U+FFFD)."""
         return self.tokenizer.decode(self._token_ids(ids, "ids", check_vocab=False))
 
-    def logits(self, ids: Sequence[int]) -> np.ndarray:
-        """float32 logits for every position of `ids`: shape [len(ids), vocab]."""
+    def logits(self, ids: Sequence[int], *, generated_from: int | None = None) -> np.ndarray:
+        """float32 logits for every position of `ids`: shape [len(ids), vocab]. `generated_from`:
+        the position from which `ids` are tokens this engine generated (prompt + output): they are
+        computed as decoding computes them (prompts may take faster batch kernels whose rounding
+        differs), so the result equals the generation's own logits bit for bit."""
         ids = self._token_ids(ids, "ids")
+        if generated_from is not None:
+            generated_from = _int_in("generated_from", generated_from, 0, len(ids))
         with self._lock:
-            return self._native().logits(ids)  # the native array, not copied here
+            native = self._native()
+            if generated_from is None:
+                return native.logits(ids)  # the native array, not copied here
+            return native.logits(ids, generated_from)
 
     def routing(self, ids: Sequence[int]) -> list[list[int]]:
         """Experts chosen by each MoE layer for every position of `ids`:
