@@ -153,11 +153,10 @@ class CpuBackend final : public Backend {
       if (!(mask & (1u << l))) rep[l] = ps[i].w->first.type;
       mask |= 1u << l;
     }
+    int64_t n_src = 0;  // gathered lists: the source rows (the forward's tokens)
     if (g.gather) {
       // Each source row quantized once, then copied into list order for every layout.
-      int64_t n_src = 0;
       for (int64_t i = base; i < base + rows; ++i) n_src = std::max<int64_t>(n_src, g.gather[i] + 1);
-      n_src_rows_ = exact_T_ > 0 ? exact_T_ : n_src;  // gathered from the forward's rows
       quantize(mask, rep, x, n_src, k, ldx, act_, nullptr);
       for (size_t l = 0; l < kLayouts; ++l) {
         if (!(mask & (1u << l))) continue;
@@ -170,8 +169,9 @@ class CpuBackend final : public Backend {
       quantize(mask, rep, x + base * ldx, rows, k, ldx, grouped_, nullptr);
     }
     jobs_.clear();
-    // A list row's forward row: its source row (the gathered token), or itself.
-    const int64_t n_rows = g.gather ? n_src_rows_ : g.offsets[g.last];
+    // A list row's forward row: its source row (the gathered token, of the forward's rows when a
+    // mask is set), or itself.
+    const int64_t n_rows = g.gather ? (exact_T_ > 0 ? exact_T_ : n_src) : g.offsets[g.last];
     for (size_t i = 0; i < n; ++i) {
       const Act& a = grouped_[layout(ps[i].w->first.type)];
       for (int64_t e = g.first; e < g.last; ++e) {
@@ -631,7 +631,6 @@ class CpuBackend final : public Backend {
   bool tuned_;
   const uint8_t* exact_mask_ = nullptr;  // set_exact_rows
   int64_t exact_T_ = 0;
-  int64_t n_src_rows_ = 0;  // matmul_stack: the rows its list gathers from
   const cpu::VecOps& ops_;
   ThreadPool pool_;
   Act act_[kLayouts], grouped_[kLayouts];
