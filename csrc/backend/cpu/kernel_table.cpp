@@ -59,6 +59,8 @@ TF_DECLARE_PANELS(q3_k)
 TF_DECLARE_PANELS(q4_k)
 TF_DECLARE_PANELS(q5_k)
 TF_DECLARE_PANELS(q6_k)
+TF_DECLARE_PANELS(iq4_nl)
+TF_DECLARE_PANELS(mxfp4)
 #endif
 
 namespace tf::cpu {
@@ -105,7 +107,8 @@ struct Index {
         {GgmlType::Q5_0, q5_0::avx512_panels}, {GgmlType::Q5_1, q5_1::avx512_panels},
         {GgmlType::Q8_0, q8_0::avx512_panels}, {GgmlType::Q2_K, q2_k::avx512_panels},
         {GgmlType::Q3_K, q3_k::avx512_panels}, {GgmlType::Q4_K, q4_k::avx512_panels},
-        {GgmlType::Q5_K, q5_k::avx512_panels}, {GgmlType::Q6_K, q6_k::avx512_panels}};
+        {GgmlType::Q5_K, q5_k::avx512_panels}, {GgmlType::Q6_K, q6_k::avx512_panels},
+        {GgmlType::IQ4_NL, iq4_nl::avx512_panels}, {GgmlType::MXFP4, mxfp4::avx512_panels}};
     for (const auto& [t, fn] : panels) by_id_k[uint32_t(t)].avx512_panels = fn;
 #endif
   }

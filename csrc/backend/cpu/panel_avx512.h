@@ -299,6 +299,36 @@ TF_TARGET_AVX512 void matmul_g32_panels_avx512(int64_t k, const uint8_t* w, size
   }
 }
 
+// A Decode32Fn format (IQ4_NL, MXFP4: signed codes, w = d * q) as a panel source: the codes + 128.
+template <Decode32Fn Decode, size_t kBytes>
+struct Decoded32PanelSource {
+  static constexpr int off = 128;
+  static constexpr bool has_min = false;
+  TF_TARGET_AVX512 static void unpack(const uint8_t* row, int64_t b, bool two, __m512i& q, float d[2], float m[2]) {
+    (void)m;
+    alignas(32) Decoded32 u0, u1;
+    Decode(row + size_t(b) * kBytes, &u0);
+    __m256i q1 = _mm256_setzero_si256();
+    d[0] = u0.d;
+    d[1] = 0.f;
+    if (two) {
+      Decode(row + size_t(b + 1) * kBytes, &u1);
+      q1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(u1.q));
+      d[1] = u1.d;
+    }
+    const __m256i q0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(u0.q));
+    q = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1), _mm512_set1_epi8(char(0x80)));
+  }
+};
+
+// The panels of a Decode32Fn format, with the kernel-table signature (CpuKernels::avx512_panels).
+template <Decode32Fn Decode, size_t kBytes>
+TF_TARGET_AVX512 void matmul_d32_panels_avx512(int64_t k, const void* w, size_t ws, int64_t r0, int64_t r1,
+                                               const void* xq, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  matmul_g32_panels_avx512<Decoded32PanelSource<Decode, kBytes>>(
+      k, static_cast<const uint8_t*>(w), ws, r0, r1, static_cast<const uint8_t*>(xq), xs, ncols, y, ldy);
+}
+
 }  // namespace tf::cpu::detail
 
 #endif  // TF_HAVE_X86_KERNELS

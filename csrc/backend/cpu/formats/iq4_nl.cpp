@@ -38,3 +38,11 @@ constexpr detail::Decode32Fn decode_avx2 = decode_scalar;
 }  // namespace tf::cpu::iq4_nl
 
 TF_DECODED_KERNELS(iq4_nl, 32, kBytes, decode_scalar, decode_avx2, 127)
+
+#if defined(TF_HAVE_X86_KERNELS)
+namespace tf::cpu::iq4_nl {
+TF_TARGET_AVX512 void avx512_panels(TF_MATMUL_PARAMS) {
+  detail::matmul_d32_panels_avx512<decode_avx2, kBytes>(TF_MATMUL_ARGS);
+}
+}  // namespace tf::cpu::iq4_nl
+#endif

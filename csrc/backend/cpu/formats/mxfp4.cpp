@@ -104,5 +104,8 @@ void scalar(TF_MATMUL_PARAMS) { detail::matmul_d32_scalar<decode_scalar, kBytes>
 #if defined(TF_HAVE_X86_KERNELS)
 TF_TARGET_AVX2 void avx2(TF_MATMUL_PARAMS) { matmul_avx2(TF_MATMUL_ARGS); }
 TF_TARGET_AVX512 void avx512(TF_MATMUL_PARAMS) { detail::matmul_d32_avx512<decode_avx2, kBytes>(TF_MATMUL_ARGS); }
+TF_TARGET_AVX512 void avx512_panels(TF_MATMUL_PARAMS) {
+  detail::matmul_d32_panels_avx512<decode_avx2, kBytes>(TF_MATMUL_ARGS);
+}
 #endif
 }  // namespace tf::cpu::mxfp4
