@@ -20,13 +20,14 @@ struct CpuKernels {
   MatmulFn scalar = nullptr;  // nullptr: no kernels, the format cannot be computed with
   MatmulFn avx2 = nullptr;    // nullptr: falls back to scalar
   MatmulFn avx512 = nullptr;  // nullptr: falls back to avx2
-  // Prefill panels (16-row VNNI panels, panel_avx512.h) for products of many columns: faster,
-  // but a column's rounding differs from the row kernels', so the backend never runs them for
-  // exact rows (Backend::set_exact_rows). nullptr: none.
-  MatmulFn avx512_panels = nullptr;
   MatmulFn neon = nullptr;    // aarch64 levels; nullptr: falls back to the level below
   MatmulFn dotprod = nullptr;
   MatmulFn i8mm = nullptr;
+  // Prefill panels (16-row VNNI panels, panel_avx512.h) for products of many columns: faster,
+  // but a column's rounding differs from the row kernels', so the backend never runs them for
+  // exact rows (Backend::set_exact_rows). nullptr: none. Last: the rows of kernel_table.cpp
+  // initialise the members above by position.
+  MatmulFn avx512_panels = nullptr;
 };
 
 }  // namespace tf::cpu
