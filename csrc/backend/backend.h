@@ -33,6 +33,9 @@ struct Weight {
   const uint8_t* data = nullptr;
   size_t row_stride = 0;
   BufferKind where = BufferKind::Host;
+  // A column view's first column in its matrix (WeightLoader::kview): the matrix's rows start
+  // that many values before data.
+  int64_t k0 = 0;
 };
 
 // A stack of matrices of one type and shape (routed experts, per-head projections): matrix e
@@ -194,9 +197,10 @@ class Backend {
   virtual void copy(void* dst, const void* src, size_t n) = 0;
   // Sets n bytes of this backend's memory to zero (where a device backend has it touched first).
   virtual void zero(void* dst, size_t n) { std::memset(dst, 0, n); }
-  // Host memory that stays valid and unchanged while the backend lives (the mapped model file,
-  // the loader's arrays): a device backend uploads it once or registers it in place, and then
-  // reads weights and parameters there. The CPU uses host memory as it is.
+  // Host memory that stays valid while the backend lives and that only the backend reads from
+  // now on (the mapped model file, the loader's arrays): a device backend uploads it once or
+  // registers it in place, and then reads weights and parameters there. The CPU backend uses it
+  // as it is, but may rewrite a product's weight in it into a layout of its own (repack.h).
   virtual void adopt_host_range(const void* p, size_t bytes) {
     (void)p;
     (void)bytes;

@@ -16,6 +16,7 @@
 #include "backend/cpu/kernel_table.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/kernels_internal.h"
+#include "backend/cpu/repack.h"
 #include "bindings/bindings.h"
 #include "core/cpu_features.h"
 #include "core/error.h"
@@ -178,6 +179,88 @@ void bind_kernels(py::module_& m) {
         py::arg("k"), py::arg("x"), py::arg("impl") = "auto", py::arg("threads") = 1,
         "y[ncols, rows] = x[ncols, k] @ dequant(W[rows, k]).T with x quantized per row the way "
         "the engine does (quantize_act_row + matmul_rows). impl: auto|scalar|avx2|avx512.");
+  // Row-interleaved (R8) layouts: tests check them against the file layout and gguf's
+  // dequantization, and the ISAs against the scalar reference.
+  m.def("r8_pack",
+        [](uint32_t type_id, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> w, int64_t rows,
+           int64_t k) {
+          TF_CHECK(type_id < kGgmlTypeIdLimit && cpu::r8::supported(GgmlType(type_id)), "r8: unsupported type id ",
+                   type_id);
+          const GgmlType wt = GgmlType(type_id);
+          TF_CHECK(rows >= 8 && rows % 8 == 0, "r8: rows must be a positive multiple of 8, got ", rows);
+          TF_CHECK(k >= 256 && k % 256 == 0, "r8: k must be a positive multiple of 256, got ", k);
+          const size_t row = tf::row_bytes(wt, k);
+          TF_CHECK(size_t(w.size()) == size_t(rows) * row, "r8: w has ", w.size(), " bytes, expected ",
+                   size_t(rows) * row);
+          py::array_t<uint8_t> out{py::ssize_t(w.size())};
+          std::memcpy(out.mutable_data(), w.data(), size_t(w.size()));
+          std::vector<uint8_t> tmp(8 * row);
+          for (int64_t g = 0; g < rows / 8; ++g)
+            cpu::r8::pack_group_inplace(wt, out.mutable_data() + size_t(g) * 8 * row, k / 256, tmp.data());
+          return out;
+        },
+        py::arg("type_id"), py::arg("w"), py::arg("rows"), py::arg("k"),
+        "the rows (file layout) rewritten as R8 groups of eight (csrc/backend/cpu/repack.h)");
+  m.def("r8_unpack",
+        [](uint32_t type_id, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> p, int64_t rows,
+           int64_t k) {
+          TF_CHECK(type_id < kGgmlTypeIdLimit && cpu::r8::supported(GgmlType(type_id)), "r8: unsupported type id ",
+                   type_id);
+          const GgmlType wt = GgmlType(type_id);
+          TF_CHECK(rows >= 8 && rows % 8 == 0 && k >= 256 && k % 256 == 0, "r8: bad shape");
+          const size_t row = tf::row_bytes(wt, k);
+          TF_CHECK(size_t(p.size()) == size_t(rows) * row, "r8: wrong byte count");
+          py::array_t<uint8_t> out{py::ssize_t(p.size())};
+          for (int64_t g = 0; g < rows / 8; ++g)
+            cpu::r8::unpack_group(wt, p.data() + size_t(g) * 8 * row, k / 256, out.mutable_data() + size_t(g) * 8 * row,
+                                  row);
+          return out;
+        },
+        py::arg("type_id"), py::arg("packed"), py::arg("rows"), py::arg("k"), "r8_pack undone");
+  m.def("r8_matmul",
+        [](uint32_t type_id, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> p, int64_t rows,
+           int64_t k, py::array_t<float, py::array::c_style | py::array::forcecast> x, const std::string& impl) {
+          TF_CHECK(type_id < kGgmlTypeIdLimit && cpu::r8::supported(GgmlType(type_id)), "r8: unsupported type id ",
+                   type_id);
+          const GgmlType wt = GgmlType(type_id);
+          TF_CHECK(rows >= 8 && rows % 8 == 0 && k >= 256 && k % 256 == 0, "r8: bad shape");
+          const size_t row = tf::row_bytes(wt, k);
+          TF_CHECK(size_t(p.size()) == size_t(rows) * row, "r8: wrong byte count");
+          TF_CHECK(x.ndim() == 2 && x.shape(1) == k && x.shape(0) >= 1, "x must be [ncols, k]");
+          cpu::r8::GemvFn fn = cpu::r8::gemv_ref;
+          const bool panels = impl == "avx512_panels";
+          if (panels) {
+            TF_CHECK(cpu::detail::isa_available(CpuIsa::Avx512), "this CPU lacks avx512");
+          } else if (impl == "avx2" || impl == "avx512") {
+            const CpuIsa isa = parse_impl(impl);
+            TF_CHECK(cpu::detail::isa_available(isa), "this CPU lacks ", impl);
+#if TF_HAVE_X86_KERNELS
+            fn = isa == CpuIsa::Avx512 ? cpu::r8::gemv_avx512 : cpu::r8::gemv_avx2;
+#endif
+          } else if (impl == "auto") {
+            fn = cpu::r8::best_gemv();
+          } else {
+            TF_CHECK(impl == "scalar", "impl must be auto|scalar|avx2|avx512|avx512_panels, got '", impl, "'");
+          }
+          const int64_t ncols = x.shape(0);
+          const size_t xs = cpu::act_row_bytes(wt, k);
+          std::vector<uint8_t> xq(size_t(ncols) * xs);
+          for (int64_t c = 0; c < ncols; ++c)
+            cpu::detail::quantize_act_row_isa(CpuIsa::Scalar, wt, x.data() + c * k, xq.data() + size_t(c) * xs, k);
+          py::array_t<float> y({py::ssize_t(ncols), py::ssize_t(rows)});
+#if TF_HAVE_X86_KERNELS
+          if (panels) {
+            cpu::detail::matmul_panels_r8_avx512(wt, k, p.data(), 8 * row, 0, rows, xq.data(), xs, ncols,
+                                                 y.mutable_data(), rows);
+            return y;
+          }
+#endif
+          for (int64_t g = 0; g < rows / 8; ++g)
+            fn(wt, k / 256, p.data() + size_t(g) * 8 * row, xq.data(), xs, ncols, y.mutable_data() + 8 * g, rows);
+          return y;
+        },
+        py::arg("type_id"), py::arg("packed"), py::arg("rows"), py::arg("k"), py::arg("x"), py::arg("impl") = "auto",
+        "y[ncols, rows] = x @ W.T with W in R8 groups (x quantized as the engine does)");
   m.def("kernels_quantize_act",
         [](uint32_t type_id, py::array_t<float, py::array::c_style | py::array::forcecast> x,
            const std::string& impl) {

@@ -307,6 +307,7 @@ Weight WeightLoader::kview(const Weight& w, int64_t c0, int64_t c1) {
   Weight v = w;
   v.data = w.data + row_bytes(w.type, c0);
   v.k = c1 - c0;
+  v.k0 = w.k0 + c0;
   return v;  // row_stride unchanged: a column range of every row
 }
 

@@ -3,10 +3,14 @@
 // kernel table (activations quantized once per layout a group of weights needs), paged
 // attention (attention.h; with sinks or a second source of entries: attention_sparse.h), the
 // lightning indexer (index_topk.h), the vector primitives (vec_ops.h), routing (moe/router).
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <new>
 #include <vector>
@@ -20,6 +24,7 @@
 #include "backend/cpu/kernel_table.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/kernels_internal.h"
+#include "backend/cpu/repack.h"
 #include "backend/cpu/vec_ops.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -46,7 +51,26 @@ struct MatmulJob {
   // token's rounding depends on what else is in the batch. Without one, by column count.
   bool exact;
   bool by_role;
+  // Rows [0, r8_rows) of the weight in R8 groups (repack.h): group g at r8 + g * r8_gs, its
+  // super-blocks from the weight's first column on; rows past them in the file's layout.
+  const uint8_t* r8 = nullptr;
+  size_t r8_gs = 0;
+  int64_t r8_rows = 0;
 };
+
+// A matrix rewritten in R8 groups in place: rows [0, rows) of `row_stride` bytes from its key.
+struct R8Matrix {
+  const uint8_t* end;  // the whole matrix, groups and the rows past them
+  GgmlType type;
+  int64_t rows;        // rows in groups
+  size_t row_stride;
+};
+
+// TENSORFOLD_REPACK=off keeps every weight in the file's layout.
+bool repack_enabled() {
+  const char* v = std::getenv("TENSORFOLD_REPACK");
+  return !(v && (std::strcmp(v, "off") == 0 || std::strcmp(v, "0") == 0));
+}
 
 void free_host(void* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
 
@@ -54,8 +78,15 @@ class CpuBackend final : public Backend {
  public:
   // tuned: products run the kernel measured fastest per (format, shape class) up to `isa`
   // (backend/cpu/kernel_choice.h); otherwise always `isa`'s (an explicit "cpu:avx2" etc.).
+  // The row-interleaved layouts need the AVX-512 VNNI prefill panels beside their decode
+  // kernel (a weight has one layout for both): on other CPUs, or under an explicit lower ISA,
+  // weights keep the file's layout.
   CpuBackend(int threads, CpuIsa isa, bool tuned)
-      : isa_(isa), tuned_(tuned), ops_(cpu::vec_ops_for(isa)), pool_(threads) {}
+      : isa_(isa),
+        tuned_(tuned),
+        repack_(isa == CpuIsa::Avx512 && cpu::detail::isa_available(CpuIsa::Avx512) && repack_enabled()),
+        ops_(cpu::vec_ops_for(isa)),
+        pool_(threads) {}
 
   void host_parallel(int64_t n, const std::function<void(int64_t)>& fn) override {
     if (n <= 1) return n == 1 ? fn(0) : void();
@@ -130,6 +161,7 @@ class CpuBackend final : public Backend {
       if (!(mask & (1u << l))) rep[l] = ps[i].w->type;
       mask |= 1u << l;
     }
+    for (size_t i = 0; i < n; ++i) repack(*ps[i].w);
     quantize(mask, rep, x, T, k, ldx, act_, nullptr);
     jobs_.clear();
     for (size_t i = 0; i < n; ++i) {
@@ -144,6 +176,7 @@ class CpuBackend final : public Backend {
     if (!g.offsets) return matmul_batched(x, ldx, g, ps, n);
     const int64_t base = g.offsets[g.first], rows = g.offsets[g.last] - base;
     if (rows == 0) return;
+    for (size_t i = 0; i < n; ++i) repack(*ps[i].w);
     GgmlType rep[kLayouts] = {};
     unsigned mask = 0;
     const int64_t k = ps[0].w->first.k;
@@ -199,6 +232,7 @@ class CpuBackend final : public Backend {
       if (!(mask & (1u << l))) rep[l] = ps[i].w->first.type;
       mask |= 1u << l;
     }
+    for (size_t i = 0; i < n; ++i) repack(*ps[i].w);
     quantize(mask, rep, x, g.rows * M, k, g.x_mat, grouped_, nullptr);
     jobs_.clear();
     for (size_t i = 0; i < n; ++i) {
@@ -320,8 +354,25 @@ class CpuBackend final : public Backend {
   void embed(const Weight& table, const int32_t* tokens, int64_t T, float* out, int64_t ldo) override {
     const TypeTraits* tr = find_type_traits(uint32_t(table.type));
     TF_CHECK(tr && tr->dequantize_ref, "embed: no dequantization for the table's type");
-    for (int64_t t = 0; t < T; ++t)
-      tr->dequantize_ref(table.data + size_t(tokens[t]) * table.row_stride, out + t * ldo, table.k);
+    // A table read row by row keeps the file's layout (a tied output head: its products too).
+    const uint8_t* end = table.data + size_t(table.rows) * table.row_stride;
+    if (std::find(r8_never_.begin(), r8_never_.end(), std::make_pair(table.data, end)) == r8_never_.end())
+      r8_never_.emplace_back(table.data, end);
+    MatmulJob view{};
+    view.w = table;
+    r8_view(&view);
+    std::vector<uint8_t> group;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t row = tokens[t];
+      if (row < view.r8_rows) {  // repacked before it was first read as a table
+        const size_t rb = size_t(table.k / 256) * cpu::r8::block_bytes(table.type);
+        group.resize(cpu::r8::kRows * rb);
+        cpu::r8::unpack_group(table.type, view.r8 + size_t(row / 8) * view.r8_gs, table.k / 256, group.data(), rb);
+        tr->dequantize_ref(group.data() + size_t(row % 8) * rb, out + t * ldo, table.k);
+        continue;
+      }
+      tr->dequantize_ref(table.data + size_t(row) * table.row_stride, out + t * ldo, table.k);
+    }
   }
 
   // -- cache and attention -----------------------------------------------------------------
@@ -571,6 +622,7 @@ class CpuBackend final : public Backend {
       int64_t c1 = c0 + 1;
       while (c1 < ncols && exact(c1) == e) ++c1;
       jobs_.push_back({w, xq + size_t(c0) * xs, xs, c1 - c0, y + c0 * ldy, ldy, e, exact_mask_ != nullptr});
+      r8_view(&jobs_.back());
       c0 = c1;
     }
   }
@@ -594,12 +646,14 @@ class CpuBackend final : public Backend {
     pool_.run_chunks(n_chunks, [&](int64_t c, int) {
       const size_t ji = size_t(std::upper_bound(first_chunk_.begin(), first_chunk_.end(), c) - first_chunk_.begin()) - 1;
       const MatmulJob& j = jobs_[ji];
-      const int64_t r0 = (c - first_chunk_[ji]) * per, r1 = std::min(j.w.rows, r0 + per);
+      int64_t r0 = (c - first_chunk_[ji]) * per;
+      const int64_t r1 = std::min(j.w.rows, r0 + per);
       // Exact columns take the decode class's row kernel (it gives a column the same result for any
       // column count); the others the prefill class's, through the panels where the format has them.
       const cpu::ShapeClass cls = j.exact     ? cpu::ShapeClass::Decode
                                   : j.by_role ? cpu::ShapeClass::Prefill
                                               : cpu::shape_class(j.ncols);
+      if (j.r8) return r8_rows(j, cls, r0, r1);
       const CpuIsa isa = tuned_ ? cpu::kernel_choice(j.w.type, cls, isa_) : isa_;
       if (!j.exact && cls == cpu::ShapeClass::Prefill && (j.by_role || j.ncols >= cpu::kPanelMinColumns) &&
           cpu::detail::matmul_rows_panels(isa, j.w.type, j.w.k, j.w.data, j.w.row_stride, r0, r1, j.xq, j.xq_stride,
@@ -627,8 +681,138 @@ class CpuBackend final : public Backend {
     pool_.parallel_for(n, 4096, fn);
   }
 
+  // -- row-interleaved weights (repack.h) ---------------------------------------------------
+  // A product's weight is rewritten into R8 groups, in place, the first time it is multiplied
+  // (the model's first forward): its bytes stay where the plan put them. Mapped file pages
+  // become private copies as they are written (MAP_PRIVATE): resident once, as before.
+  void adopt_host_range(const void* p, size_t bytes) override {
+    if (repack_) adopted_.emplace_back(static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + bytes);
+  }
+
+  void repack(const Weight& w) {
+    if (!repack_ || adopted_.empty() || !cpu::r8::supported(w.type) || w.rows < 1 || w.k % 256 != 0) return;
+    if (w.k0 > 0 || w.row_stride != size_t(w.k / 256) * cpu::r8::block_bytes(w.type)) {
+      // A column view: its whole matrix is what gets repacked.
+      if (w.k0 % 256 != 0 || w.row_stride % cpu::r8::block_bytes(w.type) != 0) return;
+      Weight whole = w;
+      whole.data = w.data - size_t(w.k0 / 256) * cpu::r8::block_bytes(w.type);
+      whole.k = int64_t(w.row_stride / cpu::r8::block_bytes(w.type)) * 256;
+      whole.k0 = 0;
+      return repack(whole);
+    }
+    const size_t row = w.row_stride;
+    if (w.where != BufferKind::Host) return;
+    MatmulJob probe{};
+    probe.w = w;
+    if (r8_view(&probe)) return;  // repacked already, or inside a repacked matrix
+    const int64_t groups = w.rows / cpu::r8::kRows;
+    const uint8_t* end = w.data + size_t(w.rows) * row;  // the rows past the groups stay as they are
+    for (const auto& [b, e] : r8_never_)
+      if (w.data < e && b < end) return;  // read as a table (embeddings): keeps the file's layout
+    // Only the model's own weights (Backend::adopt_host_range): memory a caller merely lends
+    // for one product is never rewritten.
+    if (std::none_of(adopted_.begin(), adopted_.end(), [&](const auto& r) { return r.first <= w.data && end <= r.second; }))
+      return;
+    // Mapped weights are read-only: their pages made writable (copy-on-write) first.
+    const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+    const uintptr_t p0 = uintptr_t(w.data) & ~(page - 1), p1 = (uintptr_t(end) + page - 1) & ~(page - 1);
+    if (groups > 0 && mprotect(reinterpret_cast<void*>(p0), p1 - p0, PROT_READ | PROT_WRITE) != 0) {
+      r8_never_.emplace_back(w.data, end);
+      return;
+    }
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+    uint8_t* data = const_cast<uint8_t*>(w.data);
+    pool_.parallel_for(groups, 1, [&](int64_t g0, int64_t g1) {
+      // Each thread's private copies of its mapped pages made in one call rather than one
+      // fault per page (older kernels refuse the advice: the faults then come one by one).
+      const uintptr_t a = uintptr_t(data + size_t(g0) * cpu::r8::kRows * row) & ~(page - 1);
+      const uintptr_t b = (uintptr_t(data + size_t(g1) * cpu::r8::kRows * row) + page - 1) & ~(page - 1);
+      madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);
+      std::vector<uint8_t> tmp(cpu::r8::kRows * row);
+      for (int64_t g = g0; g < g1; ++g)
+        cpu::r8::pack_group_inplace(w.type, data + size_t(g) * cpu::r8::kRows * row, w.k / 256, tmp.data());
+    });
+    r8_.emplace(w.data, R8Matrix{end, w.type, groups * cpu::r8::kRows, row});  // even with no group: see r8_rows
+  }
+
+  void repack(const WeightStack& s) {
+    if (!repack_ || !cpu::r8::supported(s.first.type)) return;
+    for (int64_t e = 0; e < s.n; ++e) repack(s.at(e));
+  }
+
+  // Rows [r0, r1) of a product whose weight is repacked. Every row takes the R8 arithmetic,
+  // whatever its place: the last rows past the groups (fewer than eight) are packed into a
+  // zero-padded group on the fly for a decode, and take the same prefill panels (which give the
+  // file's and the groups' rows the same bits), so a row's result does not depend on how its
+  // matrix was cut (TP slices, column views).
+  void r8_rows(const MatmulJob& j, cpu::ShapeClass cls, int64_t r0, int64_t r1) {
+    constexpr int R = cpu::r8::kRows;
+    const bool decode = j.exact || cls == cpu::ShapeClass::Decode;
+    const int64_t nb = j.w.k / 256, re = std::max(r0, std::min(r1, j.r8_rows));
+    const cpu::r8::GemvFn gemv = cpu::r8::best_gemv();
+    if (r0 < re) {
+      if (decode) {
+        for (int64_t g = r0 / R; g < re / R; ++g)
+          gemv(j.w.type, nb, j.r8 + size_t(g) * j.r8_gs, j.xq, j.xq_stride, j.ncols, j.y + g * R, j.ldy);
+      } else {
+#if TF_HAVE_X86_KERNELS
+        cpu::detail::matmul_panels_r8_avx512(j.w.type, j.w.k, j.r8, j.r8_gs, r0, re, j.xq, j.xq_stride, j.ncols, j.y,
+                                             j.ldy);
+#endif
+      }
+    }
+    if (re >= r1) return;
+    if (!decode) {  // the file's rows through the same panels
+      cpu::detail::matmul_rows_panels(CpuIsa::Avx512, j.w.type, j.w.k, j.w.data, j.w.row_stride, re, r1, j.xq,
+                                      j.xq_stride, j.ncols, j.y, j.ldy);
+      return;
+    }
+    const size_t bb = cpu::r8::block_bytes(j.w.type);
+    thread_local std::vector<uint8_t> zero, group;
+    thread_local std::vector<float> out;
+    zero.assign(bb, 0);
+    group.resize(size_t(nb) * R * bb);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* rows[R];
+      for (int i = 0; i < R; ++i)
+        rows[i] = re + i < r1 ? j.w.data + size_t(re + i) * j.w.row_stride + size_t(b) * bb : zero.data();
+      cpu::r8::pack_superblock(j.w.type, rows, group.data() + size_t(b) * R * bb);
+    }
+    out.resize(size_t(j.ncols) * R);
+    gemv(j.w.type, nb, group.data(), j.xq, j.xq_stride, j.ncols, out.data(), R);
+    for (int64_t c = 0; c < j.ncols; ++c)
+      for (int64_t r = re; r < r1; ++r) j.y[c * j.ldy + r] = out[size_t(c) * R + size_t(r - re)];
+  }
+
+  // Fills j's R8 fields when its weight lies in a repacked matrix; true then. A view the R8
+  // groups cannot serve (not on a group's first row) is an error: its bytes have moved.
+  bool r8_view(MatmulJob* j) const {
+    if (r8_.empty()) return false;
+    auto it = r8_.upper_bound(j->w.data);
+    if (it == r8_.begin()) return false;
+    --it;
+    const R8Matrix& m = it->second;
+    if (j->w.data >= m.end) return false;
+    const size_t off = size_t(j->w.data - it->first), bb = cpu::r8::block_bytes(m.type);
+    const int64_t r = int64_t(off / m.row_stride);
+    const size_t in_row = off % m.row_stride;
+    TF_CHECK(j->w.type == m.type && j->w.row_stride == m.row_stride && r % cpu::r8::kRows == 0 && in_row % bb == 0,
+             "cpu backend: a view of a weight rewritten in row-interleaved groups does not start on a group "
+             "(set TENSORFOLD_REPACK=off to keep the file's layout)");
+    j->r8 = it->first + size_t(r) * m.row_stride + (in_row / bb) * cpu::r8::kRows * bb;
+    j->r8_gs = cpu::r8::kRows * m.row_stride;
+    j->r8_rows = std::max<int64_t>(0, std::min(j->w.rows, m.rows - r));
+    return true;
+  }
+
   CpuIsa isa_;
   bool tuned_;
+  bool repack_;
+  std::map<const uint8_t*, R8Matrix> r8_;                            // repacked matrices by first byte
+  std::vector<std::pair<const uint8_t*, const uint8_t*>> r8_never_;  // ranges kept in the file's layout
+  std::vector<std::pair<const uint8_t*, const uint8_t*>> adopted_;   // the models' weight memory
   const uint8_t* exact_mask_ = nullptr;  // set_exact_rows
   int64_t exact_T_ = 0;
   const cpu::VecOps& ops_;

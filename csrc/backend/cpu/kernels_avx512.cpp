@@ -17,6 +17,8 @@
 
 #include "backend/cpu/kernels_internal.h"
 #include "backend/cpu/panel_avx512.h"
+#include "backend/cpu/r8_gemv.h"
+#include "core/error.h"
 #include "quant/blocks.h"
 
 namespace tf::cpu::detail {
@@ -516,9 +518,36 @@ inline void k_panel_tile(const KPanelBlock* p, int nbs, int64_t b0, const uint8_
   }
 }
 
+// The same panels from R8 super-blocks (repack.h): rows 0-7 of a panel from one group, 8-15
+// from the next (zeros where there is none). Lane r of an R8 vector is already row r's four
+// values, so a panel group is two extractions side by side — no transposes.
 template <T_ T>
-void matmul_k_panels(int64_t k, const uint8_t* w, size_t ws, int64_t r0, int64_t r1, const uint8_t* xq, size_t xs,
-                     int64_t ncols, float* y, int64_t ldy) {
+inline void build_k_panels_r8(const uint8_t* ga, const uint8_t* gb, int64_t b0, int nbs, KPanelBlock* out) {
+  constexpr size_t SBB = r8::simd::sb_bytes<T>();
+  for (int b = 0; b < nbs; ++b) {
+    const uint8_t* sa = ga + size_t(b0 + b) * SBB;
+    const uint8_t* sb = gb ? gb + size_t(b0 + b) * SBB : nullptr;
+#pragma GCC unroll 4
+    for (int g = 0; g < 64; ++g) {
+      const __m256i lo = r8::simd::group_values<T>(sa, g);
+      const __m256i hi = sb ? r8::simd::group_values<T>(sb, g) : _mm256_setzero_si256();
+      out[b].q[g] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    }
+    for (int s = 0; s < 16; ++s) {
+      __m256 fa, ma, fb = _mm256_setzero_ps(), mb = _mm256_setzero_ps();
+      r8::simd::sub_factors<T>(sa, s, &fa, &ma);
+      if (sb) r8::simd::sub_factors<T>(sb, s, &fb, &mb);
+      out[b].f[s] = _mm512_insertf32x8(_mm512_castps256_ps512(fa), fb, 1);
+      out[b].m[s] = _mm512_insertf32x8(_mm512_castps256_ps512(ma), mb, 1);
+    }
+  }
+}
+
+// Rows [r0, r1) in 16-row panels; build(r, n, b0, nbs, panel) fills the slab of blocks
+// [b0, b0 + nbs) of rows r .. r + n - 1.
+template <T_ T, typename Build>
+void k_panels_run(int64_t k, int64_t r0, int64_t r1, const uint8_t* xq, size_t xs, int64_t ncols, float* y,
+                  int64_t ldy, Build build) {
   constexpr int SUB = T == T_::Q4_K || T == T_::Q5_K ? 32 : 16, NS = 256 / SUB;
   const int64_t nb = k / 256;
   // The activation sums per scale of every column and block, as floats (the min term's factor).
@@ -539,7 +568,7 @@ void matmul_k_panels(int64_t k, const uint8_t* w, size_t ws, int64_t r0, int64_t
     const __mmask16 rows = __mmask16((1u << n) - 1);
     for (int64_t b0 = 0; b0 < nb; b0 += kKPanelSlab) {
       const int nbs = int(std::min<int64_t>(kKPanelSlab, nb - b0));
-      build_k_panels<T>(w, ws, r, n, b0, nbs, panel);
+      build(r, n, b0, nbs, panel);
       const bool first = b0 == 0;
       int64_t c = 0;
       for (; c + kKPanelCols <= ncols; c += kKPanelCols)
@@ -563,6 +592,24 @@ void matmul_k_panels(int64_t k, const uint8_t* w, size_t ws, int64_t r0, int64_t
       }
     }
   }
+}
+
+template <T_ T>
+void matmul_k_panels(int64_t k, const uint8_t* w, size_t ws, int64_t r0, int64_t r1, const uint8_t* xq, size_t xs,
+                     int64_t ncols, float* y, int64_t ldy) {
+  k_panels_run<T>(k, r0, r1, xq, xs, ncols, y, ldy, [&](int64_t r, int n, int64_t b0, int nbs, KPanelBlock* panel) {
+    build_k_panels<T>(w, ws, r, n, b0, nbs, panel);
+  });
+}
+
+// R8 groups: rows [r0, r1) (multiples of 8) of a weight whose group g starts at sb0 + g * gs.
+template <T_ T>
+void matmul_k_panels_r8(int64_t k, const uint8_t* sb0, size_t gs, int64_t r0, int64_t r1, const uint8_t* xq,
+                        size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  k_panels_run<T>(k, r0, r1, xq, xs, ncols, y, ldy, [&](int64_t r, int n, int64_t b0, int nbs, KPanelBlock* panel) {
+    const uint8_t* ga = sb0 + size_t(r / 8) * gs;
+    build_k_panels_r8<T>(ga, n > 8 ? ga + gs : nullptr, b0, nbs, panel);
+  });
 }
 
 template <T_ T>
@@ -765,6 +812,19 @@ uint64_t read_bytes_avx512(const void* p, size_t n) {
   a0 = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
   uint64_t acc = uint64_t(_mm512_reduce_or_epi64(a0));
   return acc ^ read_bytes(b + i, n - i);
+}
+
+
+void matmul_panels_r8_avx512(GgmlType t, int64_t k, const uint8_t* sb0, size_t gs, int64_t r0, int64_t r1,
+                             const void* xq, size_t xs, int64_t ncols, float* y, int64_t ldy) {
+  const uint8_t* x = static_cast<const uint8_t*>(xq);
+  switch (t) {
+    case T_::Q2_K: return matmul_k_panels_r8<T_::Q2_K>(k, sb0, gs, r0, r1, x, xs, ncols, y, ldy);
+    case T_::Q3_K: return matmul_k_panels_r8<T_::Q3_K>(k, sb0, gs, r0, r1, x, xs, ncols, y, ldy);
+    case T_::Q4_K: return matmul_k_panels_r8<T_::Q4_K>(k, sb0, gs, r0, r1, x, xs, ncols, y, ldy);
+    case T_::Q6_K: return matmul_k_panels_r8<T_::Q6_K>(k, sb0, gs, r0, r1, x, xs, ncols, y, ldy);
+    default: tf::fail(tf::ErrorKind::Unsupported, "r8 panels: no row-interleaved layout for type id ", int(t));
+  }
 }
 
 }  // namespace tf::cpu::detail

@@ -98,6 +98,12 @@ bool isa_available(CpuIsa isa);
 bool matmul_rows_panels(CpuIsa isa, GgmlType wt, int64_t k, const void* w, size_t w_stride, int64_t r0, int64_t r1,
                         const void* xq, size_t xq_stride, int64_t ncols, float* y, int64_t ldy);
 
+// The K-quant prefill panels over R8 groups (repack.h): rows [r0, r1), multiples of 8, of a
+// weight whose row group g starts at sb0 + g * gs (AVX-512 VNNI only). The same bits as
+// matmul_rows_panels on the file's layout.
+void matmul_panels_r8_avx512(GgmlType t, int64_t k, const uint8_t* sb0, size_t gs, int64_t r0, int64_t r1,
+                             const void* xq, size_t xs, int64_t ncols, float* y, int64_t ldy);
+
 // Streams n bytes (a memory-bandwidth probe); returns a value depending on every byte.
 uint64_t read_bytes(const void* p, size_t n);
 uint64_t read_bytes_avx512(const void* p, size_t n);
