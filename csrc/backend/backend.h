@@ -205,6 +205,9 @@ class Backend {
     (void)p;
     (void)bytes;
   }
+  // The same for a range mapped from the model file (MAP_PRIVATE): a backend that rewrites
+  // weights moves new pages over it rather than writing through copy-on-write.
+  virtual void adopt_mapped_range(const void* p, size_t bytes) { adopt_host_range(p, bytes); }
   // The host is about to read or write memory of this backend directly (per-step metadata in the
   // scratch, results an op left there): a device backend finishes its queued work first.
   virtual void host_access() {}

@@ -62,6 +62,7 @@ class ProfiledBackend final : public Backend {
   void copy(void* dst, const void* src, size_t n) override { b_->copy(dst, src, n); }
   void zero(void* dst, size_t n) override { b_->zero(dst, n); }
   void adopt_host_range(const void* p, size_t bytes) override { b_->adopt_host_range(p, bytes); }
+  void adopt_mapped_range(const void* p, size_t bytes) override { b_->adopt_mapped_range(p, bytes); }
   void host_access() override { b_->host_access(); }
   void check_memory(uint64_t weights, uint64_t kv, uint64_t scratch, uint64_t budget) override {
     b_->check_memory(weights, kv, scratch, budget);

@@ -92,7 +92,7 @@ void Model::hand_weights_to_backend() {
   TF_CHECK(be_ != nullptr && !tp_.plan_only, "a plan-only model has no weights to hand over");
   // TP=1 computes from the mapping; at TP=2 every weight a rank keeps is its own copy.
   if (tp_.size == 1)
-    for (const GgufPart& part : file_->parts()) be_->adopt_host_range(part.base, size_t(part.size));
+    for (const GgufPart& part : file_->parts()) be_->adopt_mapped_range(part.base, size_t(part.size));
   for (const auto& [p, n] : loader_.owned_ranges()) be_->adopt_host_range(p, n);
 }
 

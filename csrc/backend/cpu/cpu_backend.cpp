@@ -688,6 +688,10 @@ class CpuBackend final : public Backend {
   void adopt_host_range(const void* p, size_t bytes) override {
     if (repack_) adopted_.emplace_back(static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + bytes);
   }
+  void adopt_mapped_range(const void* p, size_t bytes) override {
+    adopt_host_range(p, bytes);
+    if (repack_) mapped_.emplace_back(static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + bytes);
+  }
 
   void repack(const Weight& w) {
     if (!repack_ || adopted_.empty() || !cpu::r8::supported(w.type) || w.rows < 1 || w.k % 256 != 0) return;
@@ -700,46 +704,115 @@ class CpuBackend final : public Backend {
       whole.k0 = 0;
       return repack(whole);
     }
-    const size_t row = w.row_stride;
     if (w.where != BufferKind::Host) return;
     MatmulJob probe{};
     probe.w = w;
     if (r8_view(&probe)) return;  // repacked already, or inside a repacked matrix
-    const int64_t groups = w.rows / cpu::r8::kRows;
-    const uint8_t* end = w.data + size_t(w.rows) * row;  // the rows past the groups stay as they are
-    for (const auto& [b, e] : r8_never_)
-      if (w.data < e && b < end) return;  // read as a table (embeddings): keeps the file's layout
-    // Only the model's own weights (Backend::adopt_host_range): memory a caller merely lends
-    // for one product is never rewritten.
-    if (std::none_of(adopted_.begin(), adopted_.end(), [&](const auto& r) { return r.first <= w.data && end <= r.second; }))
-      return;
-    // Mapped weights are read-only: their pages made writable (copy-on-write) first.
-    const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
-    const uintptr_t p0 = uintptr_t(w.data) & ~(page - 1), p1 = (uintptr_t(end) + page - 1) & ~(page - 1);
-    if (groups > 0 && mprotect(reinterpret_cast<void*>(p0), p1 - p0, PROT_READ | PROT_WRITE) != 0) {
-      r8_never_.emplace_back(w.data, end);
-      return;
-    }
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
-    uint8_t* data = const_cast<uint8_t*>(w.data);
-    pool_.parallel_for(groups, 1, [&](int64_t g0, int64_t g1) {
-      // Each thread's private copies of its mapped pages made in one call rather than one
-      // fault per page (older kernels refuse the advice: the faults then come one by one).
-      const uintptr_t a = uintptr_t(data + size_t(g0) * cpu::r8::kRows * row) & ~(page - 1);
-      const uintptr_t b = (uintptr_t(data + size_t(g1) * cpu::r8::kRows * row) + page - 1) & ~(page - 1);
-      madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);
-      std::vector<uint8_t> tmp(cpu::r8::kRows * row);
-      for (int64_t g = g0; g < g1; ++g)
-        cpu::r8::pack_group_inplace(w.type, data + size_t(g) * cpu::r8::kRows * row, w.k / 256, tmp.data());
-    });
-    r8_.emplace(w.data, R8Matrix{end, w.type, groups * cpu::r8::kRows, row});  // even with no group: see r8_rows
+    repack_matrices(w, 1, 0);
   }
 
   void repack(const WeightStack& s) {
-    if (!repack_ || !cpu::r8::supported(s.first.type)) return;
-    for (int64_t e = 0; e < s.n; ++e) repack(s.at(e));
+    if (!repack_ || adopted_.empty() || !cpu::r8::supported(s.first.type) || s.n < 1) return;
+    Weight w = s.first;
+    const size_t bb = cpu::r8::block_bytes(w.type);
+    if (w.k0 > 0 && w.k0 % 256 == 0 && w.row_stride % bb == 0) {  // a column view: its whole stack
+      w.data -= size_t(w.k0 / 256) * bb;
+      w.k = int64_t(w.row_stride / bb) * 256;
+      w.k0 = 0;
+    }
+    const size_t row = size_t(w.k / 256) * bb;
+    if (w.k0 > 0 || w.row_stride != row || s.stride != size_t(w.rows) * row || w.where != BufferKind::Host) {
+      for (int64_t e = 0; e < s.n; ++e) repack(s.at(e));  // views, or matrices apart: one at a time
+      return;
+    }
+    MatmulJob probe{};
+    probe.w = w;
+    if (r8_view(&probe)) return;
+    repack_matrices(w, s.n, s.stride);  // a contiguous stack in one pass
+  }
+
+  static bool inside(const std::vector<std::pair<const uint8_t*, const uint8_t*>>& ranges, const uint8_t* b,
+                     const uint8_t* e) {
+    return std::any_of(ranges.begin(), ranges.end(), [&](const auto& r) { return r.first <= b && e <= r.second; });
+  }
+
+  // Matrices 0..n-1 of w's shape at w.data + e * stride (whole rows, contiguous), each rewritten
+  // in R8 groups where it lies (the rows past its groups as they are), then registered.
+  // The file's mapped pages are not written: the groups of their whole pages go to fresh
+  // anonymous memory moved over them when done (mremap), so no page is first copied for
+  // copy-on-write and the file's pages leave the process; only the two partial pages at the
+  // ends are written in place. Memory of the loader's (TP slices) is written in place.
+  void repack_matrices(const Weight& w, int64_t n, size_t stride) {
+    constexpr int R = cpu::r8::kRows;
+    const size_t row = w.row_stride, gbytes = R * row, bb = cpu::r8::block_bytes(w.type);
+    const int64_t groups = w.rows / R, nb = w.k / 256;
+    const uint8_t* begin = w.data;
+    const uint8_t* end = w.data + size_t(n - 1) * stride + size_t(w.rows) * row;
+    for (const auto& [b, e] : r8_never_)
+      if (begin < e && b < end) return;  // read as a table (embeddings): keeps the file's layout
+    // Only the model's own weights (Backend::adopt_host_range): memory a caller merely lends
+    // for one product is never rewritten.
+    if (!inside(adopted_, begin, end)) return;
+    if (groups > 0) {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+      const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+      const uintptr_t lo = uintptr_t(begin) & ~(page - 1), hi = (uintptr_t(end) + page - 1) & ~(page - 1);
+      const uintptr_t P0 = (uintptr_t(begin) + page - 1) & ~(page - 1), P1 = uintptr_t(end) & ~(page - 1);
+      uint8_t* fresh = nullptr;
+      if (inside(mapped_, begin, end) && P1 > P0) {
+        void* m = mmap(nullptr, P1 - P0, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+        if (m != MAP_FAILED) fresh = static_cast<uint8_t*>(m);
+      }
+      auto writable = [](uintptr_t a, uintptr_t b) {
+        return b <= a || mprotect(reinterpret_cast<void*>(a), b - a, PROT_READ | PROT_WRITE) == 0;
+      };
+      if (!(fresh ? writable(lo, P0) && writable(P1, hi) : writable(lo, hi))) {
+        if (fresh) munmap(fresh, P1 - P0);
+        r8_never_.emplace_back(begin, end);
+        return;
+      }
+      uint8_t* base = const_cast<uint8_t*>(begin);
+      // A group's bytes to where they go: the fresh pages, or in place.
+      auto put = [&](uint8_t* at, const uint8_t* src, size_t len) {
+        const uintptr_t a = uintptr_t(at), e = a + len;
+        if (!fresh) return void(std::memcpy(at, src, len));
+        const uintptr_t h = std::min(e, P0), f0 = std::max(a, P0), f1 = std::min(e, P1), t = std::max(a, P1);
+        if (h > a) std::memcpy(at, src, h - a);                                    // before the whole pages
+        if (f1 > f0) std::memcpy(fresh + (f0 - P0), src + (f0 - a), f1 - f0);      // on them
+        if (e > t) std::memcpy(reinterpret_cast<uint8_t*>(t), src + (t - a), e - t);  // after them
+      };
+      pool_.parallel_for(n * groups, 1, [&](int64_t i0, int64_t i1) {
+        if (!fresh) {  // this thread's copies of its pages made in one call, not a fault per page
+          const uint8_t* first = base + size_t(i0 / groups) * stride + size_t(i0 % groups) * gbytes;
+          const uint8_t* last = base + size_t((i1 - 1) / groups) * stride + size_t((i1 - 1) % groups + 1) * gbytes;
+          const uintptr_t a = uintptr_t(first) & ~(page - 1), b = (uintptr_t(last) + page - 1) & ~(page - 1);
+          madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);
+        }
+        std::vector<uint8_t> in(gbytes), out(gbytes);
+        for (int64_t i = i0; i < i1; ++i) {
+          uint8_t* at = base + size_t(i / groups) * stride + size_t(i % groups) * gbytes;
+          std::memcpy(in.data(), at, gbytes);
+          for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* rows[R];
+            for (int r = 0; r < R; ++r) rows[r] = in.data() + r * row + size_t(b) * bb;
+            cpu::r8::pack_superblock(w.type, rows, out.data() + size_t(b) * R * bb);
+          }
+          put(at, out.data(), gbytes);
+        }
+      });
+      if (fresh && mremap(fresh, P1 - P0, P1 - P0, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(P0)) ==
+                       MAP_FAILED) {
+        // Not movable (an old kernel, a locked range): copied over the mapped pages instead.
+        if (!writable(P0, P1)) fail(ErrorKind::Runtime, "cpu backend: cannot write the repacked weights in place");
+        std::memcpy(reinterpret_cast<void*>(P0), fresh, P1 - P0);
+        munmap(fresh, P1 - P0);
+      }
+    }
+    for (int64_t e = 0; e < n; ++e)  // registered even with no group: see r8_rows
+      r8_.emplace(w.data + size_t(e) * stride,
+                  R8Matrix{w.data + size_t(e) * stride + size_t(w.rows) * row, w.type, groups * R, row});
   }
 
   // Rows [r0, r1) of a product whose weight is repacked. Every row takes the R8 arithmetic,
@@ -813,6 +886,7 @@ class CpuBackend final : public Backend {
   std::map<const uint8_t*, R8Matrix> r8_;                            // repacked matrices by first byte
   std::vector<std::pair<const uint8_t*, const uint8_t*>> r8_never_;  // ranges kept in the file's layout
   std::vector<std::pair<const uint8_t*, const uint8_t*>> adopted_;   // the models' weight memory
+  std::vector<std::pair<const uint8_t*, const uint8_t*>> mapped_;    // the parts of it mapped from files
   const uint8_t* exact_mask_ = nullptr;  // set_exact_rows
   int64_t exact_T_ = 0;
   const cpu::VecOps& ops_;

@@ -238,10 +238,66 @@ void put_value_fields(T_ t, const uint8_t (*q)[256], uint8_t* sb) {
 
 }  // namespace
 
+namespace {
+
+uint64_t ld64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+void st64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, 8); }
+
+// k_values for the R8 types, eight values per 64-bit word (the load-time pass reads every
+// weight once; k_values' value-at-a-time loop was most of its time).
+void values_fast(T_ t, const uint8_t* blk, uint8_t* q) {
+  constexpr uint64_t m1 = 0x0101010101010101ull, m2 = 0x0303030303030303ull, m4 = 0x0F0F0F0F0F0F0F0Full;
+  switch (t) {
+    case T_::Q2_K:
+    case T_::Q3_K: {
+      const uint8_t* qs = t == T_::Q2_K ? reinterpret_cast<const block_q2_K*>(blk)->qs
+                                        : reinterpret_cast<const block_q3_K*>(blk)->qs;
+      const uint8_t* hm = t == T_::Q3_K ? reinterpret_cast<const block_q3_K*>(blk)->hmask : nullptr;
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; l += 8) {
+            uint64_t v = (ld64(qs + 32 * h + l) >> (2 * j)) & m2;
+            if (hm) v |= ((ld64(hm + l) >> (4 * h + j)) & m1) << 2;
+            st64(q + 128 * h + 32 * j + l, v);
+          }
+      break;
+    }
+    case T_::Q4_K: {
+      const uint8_t* qs = reinterpret_cast<const block_q4_K*>(blk)->qs;
+      for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; l += 8) {
+          const uint64_t x = ld64(qs + 32 * c + l);
+          st64(q + 64 * c + l, x & m4);
+          st64(q + 64 * c + 32 + l, (x >> 4) & m4);
+        }
+      break;
+    }
+    case T_::Q6_K: {
+      const auto* b = reinterpret_cast<const block_q6_K*>(blk);
+      for (int h = 0; h < 2; ++h)
+        for (int tt = 0; tt < 4; ++tt)
+          for (int l = 0; l < 32; l += 8) {
+            const uint64_t lb = ld64(b->ql + 64 * h + l + 32 * (tt & 1));
+            const uint64_t lo = tt < 2 ? (lb & m4) : ((lb >> 4) & m4);
+            const uint64_t hi = (ld64(b->qh + 32 * h + l) >> (2 * tt)) & m2;
+            st64(q + 128 * h + 32 * tt + l, lo | (hi << 4));
+          }
+      break;
+    }
+    default: detail::k_values(t, blk, q);
+  }
+}
+
+}  // namespace
+
 void pack_superblock(GgmlType t, const uint8_t* const rows[kRows], uint8_t* sb) {
   std::memset(sb, 0, kRows * block_bytes(t));
   uint8_t q[kRows][256];
-  for (int r = 0; r < kRows; ++r) detail::k_values(t, rows[r], q[r]);
+  for (int r = 0; r < kRows; ++r) values_fast(t, rows[r], q[r]);
   put_value_fields(t, q, sb);
   for (int r = 0; r < kRows; ++r) {
     switch (t) {
