@@ -20,7 +20,7 @@ Q = gguf.GGMLQuantizationType
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "quant"
 # (file made by llama.cpp's quantizer, type): one tensor of each R8 type, rows a multiple of 8
 CASES = [("dense-Q2_K.gguf", Q.Q2_K), ("dense-Q3_K_M.gguf", Q.Q3_K), ("dense-Q4_K_M.gguf", Q.Q4_K),
-         ("dense-Q6_K.gguf", Q.Q6_K)]
+         ("dense-Q5_K_S.gguf", Q.Q5_K), ("dense-Q6_K.gguf", Q.Q6_K)]
 BACKENDS = _core.available_backends()
 ISAS = [i for i in ("avx2", "avx512") if f"cpu:{i}" in BACKENDS]
 
@@ -100,7 +100,7 @@ def _logits(model, out, repack):
 
 
 @pytest.mark.skipif("cpu:avx512" not in BACKENDS, reason="weights are repacked where the AVX-512 panels exist")
-@pytest.mark.parametrize("name", ["dense-Q4_K_M.gguf", "moe-Q2_K.gguf", "deep-Q3_K_M.gguf"])
+@pytest.mark.parametrize("name", ["dense-Q4_K_M.gguf", "dense-Q5_K_S.gguf", "moe-Q2_K.gguf", "deep-Q3_K_L.gguf"])
 def test_models_with_and_without_repacking(tmp_path, name):
     """Whole llama.cpp-made models: repacking changes only the float summation order of decoded
     rows (prompt rows go through the same panels either way when those are chosen)."""

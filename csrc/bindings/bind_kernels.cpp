@@ -201,6 +201,16 @@ void bind_kernels(py::module_& m) {
         },
         py::arg("type_id"), py::arg("w"), py::arg("rows"), py::arg("k"),
         "the rows (file layout) rewritten as R8 groups of eight (csrc/backend/cpu/repack.h)");
+  m.def("cpu_repacked_types",
+        [] {
+          py::list out;
+          if (cpu::r8::enabled_for(best_isa()))
+            for (GgmlType t : {GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K})
+              if (cpu::r8::supported(t)) out.append(py::str(type_traits(t).name));
+          return out;
+        },
+        "formats the default CPU backend rewrites into row-interleaved groups of eight (R8) at a "
+        "weight's first product on this machine (empty: none; TENSORFOLD_REPACK=off)");
   m.def("r8_unpack",
         [](uint32_t type_id, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> p, int64_t rows,
            int64_t k) {

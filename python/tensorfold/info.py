@@ -73,8 +73,13 @@ def _cpu_kernels(types: list[str]) -> list[str]:
     if not table:
         return []
     how = "measured" if tuned else "not measured (TENSORFOLD_KERNEL_TUNING=off)"
-    parts = [f"{ty} {c['decode']}/{c['prefill']}" for ty, c in table.items()]
-    return [f"cpu kernels:   decode/prefill per format, {how}: " + ", ".join(parts)]
+    repacked = [ty for ty in table if ty in set(_core.cpu_repacked_types())]
+    parts = [f"{ty} r8/avx512" if ty in repacked else f"{ty} {c['decode']}/{c['prefill']}" for ty, c in table.items()]
+    lines = [f"cpu kernels:   decode/prefill per format, {how}: " + ", ".join(parts)]
+    if repacked:
+        lines.append(f"cpu layout:    {', '.join(repacked)} rewritten in rows interleaved by eight (r8: one vpdpbusd "
+                     "per four values of eight rows) at their first product; TENSORFOLD_REPACK=off keeps the file's")
+    return lines
 
 
 def _quantize_history(md: dict) -> list[str]:

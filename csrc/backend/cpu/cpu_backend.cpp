@@ -66,25 +66,16 @@ struct R8Matrix {
   size_t row_stride;
 };
 
-// TENSORFOLD_REPACK=off keeps every weight in the file's layout.
-bool repack_enabled() {
-  const char* v = std::getenv("TENSORFOLD_REPACK");
-  return !(v && (std::strcmp(v, "off") == 0 || std::strcmp(v, "0") == 0));
-}
-
 void free_host(void* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
 
 class CpuBackend final : public Backend {
  public:
   // tuned: products run the kernel measured fastest per (format, shape class) up to `isa`
   // (backend/cpu/kernel_choice.h); otherwise always `isa`'s (an explicit "cpu:avx2" etc.).
-  // The row-interleaved layouts need the AVX-512 VNNI prefill panels beside their decode
-  // kernel (a weight has one layout for both): on other CPUs, or under an explicit lower ISA,
-  // weights keep the file's layout.
   CpuBackend(int threads, CpuIsa isa, bool tuned)
       : isa_(isa),
         tuned_(tuned),
-        repack_(isa == CpuIsa::Avx512 && cpu::detail::isa_available(CpuIsa::Avx512) && repack_enabled()),
+        repack_(cpu::r8::enabled_for(isa)),  // on other CPUs, or under a lower ISA, the file's layout
         ops_(cpu::vec_ops_for(isa)),
         pool_(threads) {}
 

@@ -822,6 +822,7 @@ void matmul_panels_r8_avx512(GgmlType t, int64_t k, const uint8_t* sb0, size_t g
     case T_::Q2_K: return matmul_k_panels_r8<T_::Q2_K>(k, sb0, gs, r0, r1, x, xs, ncols, y, ldy);
     case T_::Q3_K: return matmul_k_panels_r8<T_::Q3_K>(k, sb0, gs, r0, r1, x, xs, ncols, y, ldy);
     case T_::Q4_K: return matmul_k_panels_r8<T_::Q4_K>(k, sb0, gs, r0, r1, x, xs, ncols, y, ldy);
+    case T_::Q5_K: return matmul_k_panels_r8<T_::Q5_K>(k, sb0, gs, r0, r1, x, xs, ncols, y, ldy);
     case T_::Q6_K: return matmul_k_panels_r8<T_::Q6_K>(k, sb0, gs, r0, r1, x, xs, ncols, y, ldy);
     default: tf::fail(tf::ErrorKind::Unsupported, "r8 panels: no row-interleaved layout for type id ", int(t));
   }

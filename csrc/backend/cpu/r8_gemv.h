@@ -69,7 +69,14 @@ inline __m256i bsum_at(const __m256i bs[2], int s) {
 // Super-block bytes of a type.
 template <T_ T>
 constexpr size_t sb_bytes() {
-  return kRows * (T == T_::Q2_K ? 84 : T == T_::Q3_K ? 110 : T == T_::Q4_K ? 144 : 210);
+  return kRows * (T == T_::Q2_K ? 84 : T == T_::Q3_K ? 110 : T == T_::Q4_K ? 144 : T == T_::Q5_K ? 176 : 210);
+}
+
+// Q5_K's fifth bit of group w (0..7) of 32-value sub-block s, moved to bit 4 of each byte.
+inline __m256i q5_high(const uint8_t* sb, int s, int w) {
+  const __m256i H = ld(sb + 1152 + 32 * s);
+  const __m256i h = w <= 4 ? _mm256_slli_epi32(H, 4 - w) : _mm256_srli_epi32(H, w - 4);
+  return _mm256_and_si256(h, bytes(0x10));
 }
 
 // Values 4G .. 4G + 3 of the eight rows (lane r: row r's four bytes), G in [0, 64); G a constant
@@ -86,10 +93,12 @@ inline __m256i group_values(const uint8_t* sb, int G) {
       q = _mm256_or_si256(q, _mm256_and_si256(hb, bytes(4)));
     }
     return q;
-  } else if constexpr (T == T_::Q4_K) {
+  } else if constexpr (T == T_::Q4_K || T == T_::Q5_K) {
     const int s = G / 8, w = G % 8;
     const __m256i L = ld(sb + 128 + 128 * s + 32 * (w / 2));
-    return _mm256_and_si256(w % 2 ? _mm256_srli_epi32(L, 4) : L, bytes(0xF));
+    __m256i q = _mm256_and_si256(w % 2 ? _mm256_srli_epi32(L, 4) : L, bytes(0xF));
+    if constexpr (T == T_::Q5_K) q = _mm256_or_si256(q, q5_high(sb, s, w));
+    return q;
   } else {
     static_assert(T == T_::Q6_K);
     const int s = G / 4, j = G % 4;
@@ -113,7 +122,7 @@ inline void sub_factors(const uint8_t* sb, int s, __m256* f, __m256* m) {
     sc = _mm256_and_si256(raw, _mm256_set1_epi32(0xF));
     mn = _mm256_srli_epi32(raw, 4);
     dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16)));
-  } else if constexpr (T == T_::Q3_K || T == T_::Q4_K) {
+  } else if constexpr (T == T_::Q3_K || T == T_::Q4_K || T == T_::Q5_K) {
     // one 6-bit field per lane: n = base + 8s' + r
     auto field = [&](int n0) {
       const __m256i lo = _mm256_cvtepu8_epi32(ld64(sb + (T == T_::Q3_K ? 16 : 32) + n0 % 64));
@@ -195,7 +204,9 @@ inline void superblock(const uint8_t* sb, const detail::ActK* const a[NC], __m25
           isum[c] = _mm256_add_epi32(isum[c], _mm256_mullo_epi32(_mm256_sub_epi32(dot[c], bsum_at(bs[c], s)), sc));
       }
     }
-  } else if constexpr (T == T_::Q4_K) {
+  } else if constexpr (T == T_::Q4_K || T == T_::Q5_K) {
+    // int16 sums of maddubs pairs stay in range for 8 groups of 4-bit values, 4 of 5-bit ones
+    constexpr int run = T == T_::Q4_K ? 8 : 4;
     __m256i f6[4];
     six_bit_fields(sb + 32, f6);
 #pragma GCC unroll 1
@@ -208,10 +219,14 @@ inline void superblock(const uint8_t* sb, const detail::ActK* const a[NC], __m25
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
         const __m256i L = ld(sb + 128 + 128 * s + 32 * t);
-        const __m256i q0 = _mm256_and_si256(L, bytes(0xF)), q1 = _mm256_and_si256(_mm256_srli_epi32(L, 4), bytes(0xF));
+        __m256i q0 = _mm256_and_si256(L, bytes(0xF)), q1 = _mm256_and_si256(_mm256_srli_epi32(L, 4), bytes(0xF));
+        if constexpr (T == T_::Q5_K) {
+          q0 = _mm256_or_si256(q0, q5_high(sb, s, 2 * t));
+          q1 = _mm256_or_si256(q1, q5_high(sb, s, 2 * t + 1));
+        }
         for (int c = 0; c < NC; ++c) {
-          dot[c] = dot_add<VNNI>(dot[c], d16[c], 2 * t, 8, q0, bcast4(a[c]->qs + 32 * s + 8 * t), false);
-          dot[c] = dot_add<VNNI>(dot[c], d16[c], 2 * t + 1, 8, q1, bcast4(a[c]->qs + 32 * s + 8 * t + 4), t == 3);
+          dot[c] = dot_add<VNNI>(dot[c], d16[c], 2 * t, run, q0, bcast4(a[c]->qs + 32 * s + 8 * t), false);
+          dot[c] = dot_add<VNNI>(dot[c], d16[c], 2 * t + 1, run, q1, bcast4(a[c]->qs + 32 * s + 8 * t + 4), t == 3);
         }
       }
       const __m256i sc = fields8(f6[quad], i), mn = fields8(f6[2 + quad], i);
@@ -258,7 +273,8 @@ template <bool VNNI, T_ T, int NC>
 void gemv_cols(int64_t nb, const uint8_t* sb0, const uint8_t* xq, size_t xs, float* y, int64_t ldy) {
   constexpr size_t sbb = sizeof(typename std::conditional_t<T == T_::Q2_K, block_q2_K,
                                 std::conditional_t<T == T_::Q3_K, block_q3_K,
-                                std::conditional_t<T == T_::Q4_K, block_q4_K, block_q6_K>>>) * kRows;
+                                std::conditional_t<T == T_::Q4_K, block_q4_K,
+                                std::conditional_t<T == T_::Q5_K, block_q5_K, block_q6_K>>>>) * kRows;
   __m256 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -285,6 +301,7 @@ void gemv(GgmlType t, int64_t nb, const uint8_t* sb0, const void* xq, size_t xs,
     case T_::Q2_K: return gemv_type<VNNI, T_::Q2_K>(nb, sb0, x, xs, ncols, y, ldy);
     case T_::Q3_K: return gemv_type<VNNI, T_::Q3_K>(nb, sb0, x, xs, ncols, y, ldy);
     case T_::Q4_K: return gemv_type<VNNI, T_::Q4_K>(nb, sb0, x, xs, ncols, y, ldy);
+    case T_::Q5_K: return gemv_type<VNNI, T_::Q5_K>(nb, sb0, x, xs, ncols, y, ldy);
     case T_::Q6_K: return gemv_type<VNNI, T_::Q6_K>(nb, sb0, x, xs, ncols, y, ldy);
     default: return gemv_ref(t, nb, sb0, xq, xs, ncols, y, ldy);
   }

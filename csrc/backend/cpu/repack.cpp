@@ -3,6 +3,8 @@
 #include "backend/cpu/repack.h"
 
 #include <cmath>
+#include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -16,6 +18,10 @@ namespace tf::cpu::r8 {
 namespace {
 
 using T_ = GgmlType;
+
+// Q5_K's header (d, dmin, scales) is Q4_K's: read and written through block_q4_K below.
+static_assert(offsetof(block_q4_K, scales) == offsetof(block_q5_K, scales) &&
+              offsetof(block_q4_K, dmin) == offsetof(block_q5_K, dmin), "K-quant headers");
 
 // Where a row's value i sits in a super-block: the byte and the bit its field starts at, per
 // part (the low bits, and where the type has them, the high bits).
@@ -85,12 +91,18 @@ void put_values(T_ t, const uint8_t* q, void* blk) {
       }
       break;
     }
-    case T_::Q4_K: {
-      uint8_t* qs = static_cast<block_q4_K*>(blk)->qs;
+    case T_::Q4_K:
+    case T_::Q5_K: {
+      uint8_t* qs = t == T_::Q4_K ? static_cast<block_q4_K*>(blk)->qs : static_cast<block_q5_K*>(blk)->qs;
       std::memset(qs, 0, 128);
+      if (t == T_::Q5_K) std::memset(static_cast<block_q5_K*>(blk)->qh, 0, 32);
       for (int e = 0; e < 256; ++e) {
         const int s = e / 32, l = e % 32;
         qs[32 * (s / 2) + l] = uint8_t(qs[32 * (s / 2) + l] | ((q[e] & 0xF) << ((s & 1) ? 4 : 0)));
+        if (t == T_::Q5_K) {
+          uint8_t& qh = static_cast<block_q5_K*>(blk)->qh[l];
+          qh = uint8_t(qh | (((q[e] >> 4) & 1) << s));
+        }
       }
       break;
     }
@@ -123,10 +135,12 @@ void locate(T_ t, int r, int i, Field* lo, Field* hi, int* lo_bits) {
       if (t == T_::Q3_K) *hi = {size_t(624 + 32 * (s / 2) + 4 * r + k), j + 4 * (s & 1)};
       break;
     }
-    case T_::Q4_K: {
+    case T_::Q4_K:
+    case T_::Q5_K: {
       const int s = i / 32, w = i % 32, tt = w / 8, u = w % 8;
       *lo = {size_t(128 + 128 * s + 32 * tt + 4 * r + u % 4), 4 * (u / 4)};
       *lo_bits = 4;
+      if (t == T_::Q5_K) *hi = {size_t(1152 + 32 * s + 4 * r + u % 4), 2 * tt + u / 4};
       break;
     }
     case T_::Q6_K: {
@@ -152,7 +166,7 @@ int sb_get_value(T_ t, const uint8_t* sb, int r, int i) {
   int bits;
   locate(t, r, i, &lo, &hi, &bits);
   int v = (sb[lo.byte] >> lo.shift) & ((1 << bits) - 1);
-  if (hi.byte) v |= ((sb[hi.byte] >> hi.shift) & (t == T_::Q3_K ? 1 : 3)) << bits;
+  if (hi.byte) v |= ((sb[hi.byte] >> hi.shift) & (t == T_::Q6_K ? 3 : 1)) << bits;
   return v;
 }
 
@@ -166,7 +180,13 @@ uint16_t get16(const uint8_t* p) {
 }  // namespace
 
 bool supported(GgmlType t) {
-  return t == T_::Q2_K || t == T_::Q3_K || t == T_::Q4_K || t == T_::Q6_K;
+  return t == T_::Q2_K || t == T_::Q3_K || t == T_::Q4_K || t == T_::Q5_K || t == T_::Q6_K;
+}
+
+bool enabled_for(CpuIsa isa) {
+  const char* v = std::getenv("TENSORFOLD_REPACK");
+  if (v && (std::strcmp(v, "off") == 0 || std::strcmp(v, "0") == 0)) return false;
+  return isa == CpuIsa::Avx512 && detail::isa_available(CpuIsa::Avx512);
 }
 
 size_t block_bytes(GgmlType t) {
@@ -174,6 +194,7 @@ size_t block_bytes(GgmlType t) {
     case T_::Q2_K: return sizeof(block_q2_K);
     case T_::Q3_K: return sizeof(block_q3_K);
     case T_::Q4_K: return sizeof(block_q4_K);
+    case T_::Q5_K: return sizeof(block_q5_K);
     case T_::Q6_K: return sizeof(block_q6_K);
     default: fail(ErrorKind::Unsupported, "r8: no row-interleaved layout for type id ", int(t));
   }
@@ -207,7 +228,8 @@ void put_value_fields(T_ t, const uint8_t (*q)[256], uint8_t* sb) {
       }
       break;
     }
-    case T_::Q4_K: {
+    case T_::Q4_K:
+    case T_::Q5_K: {
       uint8_t* v = sb + 128;
       for (int s = 0; s < 8; ++s)
         for (int tt = 0; tt < 4; ++tt)
@@ -215,6 +237,14 @@ void put_value_fields(T_ t, const uint8_t (*q)[256], uint8_t* sb) {
             for (int k = 0; k < 4; ++k) {
               const uint8_t* x = q[r] + 32 * s + 8 * tt + k;
               v[128 * s + 32 * tt + 4 * r + k] = uint8_t((x[0] & 0xF) | ((x[4] & 0xF) << 4));
+            }
+      if (t == T_::Q5_K)  // bit 4 of v[32s + 8tt + 4n + k] at bit 2tt + n of byte 4r + k
+        for (int s = 0; s < 8; ++s)
+          for (int r = 0; r < kRows; ++r)
+            for (int k = 0; k < 4; ++k) {
+              int h = 0;
+              for (int w = 0; w < 8; ++w) h |= ((q[r][32 * s + 4 * w + k] >> 4) & 1) << w;
+              sb[1152 + 32 * s + 4 * r + k] = uint8_t(h);
             }
       break;
     }
@@ -288,6 +318,16 @@ void values_fast(T_ t, const uint8_t* blk, uint8_t* q) {
           }
       break;
     }
+    case T_::Q5_K: {
+      const auto* b = reinterpret_cast<const block_q5_K*>(blk);
+      for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; l += 8) {
+          const uint64_t x = ld64(b->qs + 32 * c + l), h = ld64(b->qh + l);
+          st64(q + 64 * c + l, (x & m4) | (((h >> (2 * c)) & m1) << 4));
+          st64(q + 64 * c + 32 + l, ((x >> 4) & m4) | (((h >> (2 * c + 1)) & m1) << 4));
+        }
+      break;
+    }
     default: detail::k_values(t, blk, q);
   }
 }
@@ -316,7 +356,9 @@ void pack_superblock(GgmlType t, const uint8_t* const rows[kRows], uint8_t* sb) 
         for (int s = 0; s < 16; ++s) put6(sb + 16, 8 * s + r, s6[s]);
         break;
       }
-      case T_::Q4_K: {
+      case T_::Q4_K:
+      case T_::Q5_K: {
+        // d, dmin and the 12 scale bytes sit at the same offsets in both blocks
         const auto* b = reinterpret_cast<const block_q4_K*>(rows[r]);
         put16(sb + 2 * r, b->d);
         put16(sb + 16 + 2 * r, b->dmin);
@@ -360,8 +402,9 @@ void unpack_superblock(GgmlType t, const uint8_t* sb, uint8_t* const rows[kRows]
         q3k_scales_put(s6, b->scales);
         break;
       }
-      case T_::Q4_K: {
-        auto* b = reinterpret_cast<block_q4_K*>(rows[r]);
+      case T_::Q4_K:
+      case T_::Q5_K: {
+        auto* b = reinterpret_cast<block_q4_K*>(rows[r]);  // the same header as block_q5_K
         b->d = get16(sb + 2 * r);
         b->dmin = get16(sb + 16 + 2 * r);
         int sc[8], mn[8];

@@ -31,6 +31,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/cpu_features.h"
 #include "core/dtype.h"
 
 namespace tf::cpu::r8 {
@@ -38,6 +39,10 @@ namespace tf::cpu::r8 {
 inline constexpr int kRows = 8;
 
 bool supported(GgmlType t);
+// Whether the CPU backend of this ISA rewrites its models' weights in R8 at their first product:
+// where the AVX-512 VNNI prefill panels exist beside the decode kernel (a weight has one layout
+// for both), unless TENSORFOLD_REPACK=off.
+bool enabled_for(CpuIsa isa);
 // Bytes of one file block / one super-block (8 file blocks).
 size_t block_bytes(GgmlType t);
 
