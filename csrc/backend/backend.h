@@ -205,6 +205,14 @@ class Backend {
     (void)p;
     (void)bytes;
   }
+  // The weights a model's products read (a matrix as a stack of one; from adopted memory) and
+  // the tables it reads row by row (embeddings), once its scratch is planned: a backend may
+  // rewrite the former into a layout of its own now (the CPU's row-interleaved groups), never
+  // the latter.
+  virtual void prepare_products(const std::vector<WeightStack>& products, const std::vector<Weight>& tables) {
+    (void)products;
+    (void)tables;
+  }
   // The same for a range mapped from the model file (MAP_PRIVATE): a backend that rewrites
   // weights moves new pages over it rather than writing through copy-on-write.
   virtual void adopt_mapped_range(const void* p, size_t bytes) { adopt_host_range(p, bytes); }

@@ -63,6 +63,9 @@ class ProfiledBackend final : public Backend {
   void zero(void* dst, size_t n) override { b_->zero(dst, n); }
   void adopt_host_range(const void* p, size_t bytes) override { b_->adopt_host_range(p, bytes); }
   void adopt_mapped_range(const void* p, size_t bytes) override { b_->adopt_mapped_range(p, bytes); }
+  void prepare_products(const std::vector<WeightStack>& products, const std::vector<Weight>& tables) override {
+    b_->prepare_products(products, tables);
+  }
   void host_access() override { b_->host_access(); }
   void check_memory(uint64_t weights, uint64_t kv, uint64_t scratch, uint64_t budget) override {
     b_->check_memory(weights, kv, scratch, budget);

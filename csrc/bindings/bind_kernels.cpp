@@ -209,8 +209,8 @@ void bind_kernels(py::module_& m) {
               if (cpu::r8::supported(t)) out.append(py::str(type_traits(t).name));
           return out;
         },
-        "formats the default CPU backend rewrites into row-interleaved groups of eight (R8) at a "
-        "weight's first product on this machine (empty: none; TENSORFOLD_REPACK=off)");
+        "formats the default CPU backend rewrites into row-interleaved groups of eight (R8) at "
+        "load on this machine (empty: none; TENSORFOLD_REPACK=off)");
   m.def("r8_unpack",
         [](uint32_t type_id, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> p, int64_t rows,
            int64_t k) {

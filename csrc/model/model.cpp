@@ -152,6 +152,7 @@ double Model::reserve(int max_tokens, int64_t max_ctx, bool count_only) {
   TF_CHECK(be_ != nullptr && !tp_.plan_only, "a plan-only model cannot run forward");
   s->allocate(*be_, max_tokens);
   plan(*s, max_tokens);  // binds every block's buffers
+  be_->prepare_products(s->product_weights(), {tok_embd_});  // the CPU repacks them now, at load
   scratch_ = std::move(s);
   max_tokens_ = max_tokens;
   max_ctx_ = max_ctx;

@@ -31,12 +31,21 @@ class Scratch {
   void** ptrs(const std::string& key, int64_t n) { return static_cast<void**>(take(key, n, sizeof(void*), true)); }
   // A product the backend runs with up to `rows` input rows (grouped: gathered rows).
   void product(const Weight& w, int64_t rows) {
-    if (w.rows > 0) shapes_.push_back({w.type, w.k, rows, false});
+    if (w.rows <= 0) return;
+    shapes_.push_back({w.type, w.k, rows, false});
+    WeightStack one;
+    one.first = w;
+    one.n = 1;
+    weights_.push_back(one);
   }
   // A product of a weight stack over up to `rows` list (or batch) rows.
   void product(const WeightStack& w, int64_t rows) {
-    if (w.n > 0 && w.first.rows > 0) shapes_.push_back({w.first.type, w.first.k, rows, true});
+    if (w.n <= 0 || w.first.rows <= 0) return;
+    shapes_.push_back({w.first.type, w.first.k, rows, true});
+    weights_.push_back(w);
   }
+  // The weights of the products recorded (a matrix as a stack of one).
+  const std::vector<WeightStack>& product_weights() const { return weights_; }
 
   bool binding() const { return bound_; }
   // Bytes of every buffer (and, with a backend, its product memory) as planned.
@@ -55,6 +64,7 @@ class Scratch {
   };
   std::map<std::string, Slot> slots_;
   std::vector<ProductShape> shapes_;
+  std::vector<WeightStack> weights_;
   bool bound_ = false;
 };
 

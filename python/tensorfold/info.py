@@ -78,7 +78,7 @@ def _cpu_kernels(types: list[str]) -> list[str]:
     lines = [f"cpu kernels:   decode/prefill per format, {how}: " + ", ".join(parts)]
     if repacked:
         lines.append(f"cpu layout:    {', '.join(repacked)} rewritten in rows interleaved by eight (r8: one vpdpbusd "
-                     "per four values of eight rows) at their first product; TENSORFOLD_REPACK=off keeps the file's")
+                     "per four values of eight rows) at load; TENSORFOLD_REPACK=off keeps the file's")
     return lines
 
 

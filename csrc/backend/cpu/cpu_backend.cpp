@@ -673,11 +673,18 @@ class CpuBackend final : public Backend {
   }
 
   // -- row-interleaved weights (repack.h) ---------------------------------------------------
-  // A product's weight is rewritten into R8 groups, in place, the first time it is multiplied
-  // (the model's first forward): its bytes stay where the plan put them. Mapped file pages
-  // become private copies as they are written (MAP_PRIVATE): resident once, as before.
+  // A product's weight is rewritten into R8 groups in place at load (prepare_products), or else
+  // the first time it is multiplied: its bytes stay where the plan put them.
   void adopt_host_range(const void* p, size_t bytes) override {
     if (repack_) adopted_.emplace_back(static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + bytes);
+  }
+  // At load, every product's weight rewritten now rather than at its first product, and the
+  // tables read row by row kept as they are.
+  void prepare_products(const std::vector<WeightStack>& products, const std::vector<Weight>& tables) override {
+    if (!repack_) return;
+    for (const Weight& t : tables)
+      if (t.data) r8_never_.emplace_back(t.data, t.data + size_t(t.rows) * t.row_stride);
+    for (const WeightStack& p : products) repack(p);
   }
   void adopt_mapped_range(const void* p, size_t bytes) override {
     adopt_host_range(p, bytes);

@@ -39,7 +39,7 @@ namespace tf::cpu::r8 {
 inline constexpr int kRows = 8;
 
 bool supported(GgmlType t);
-// Whether the CPU backend of this ISA rewrites its models' weights in R8 at their first product:
+// Whether the CPU backend of this ISA rewrites its models' product weights in R8 at load:
 // where the AVX-512 VNNI prefill panels exist beside the decode kernel (a weight has one layout
 // for both), unless TENSORFOLD_REPACK=off.
 bool enabled_for(CpuIsa isa);
