@@ -31,6 +31,10 @@
 #include "kv/kv_cache.h"
 #include "quant/traits.h"
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+
 namespace tf {
 
 namespace {
@@ -684,7 +688,33 @@ class CpuBackend final : public Backend {
     if (!repack_) return;
     for (const Weight& t : tables)
       if (t.data) r8_never_.emplace_back(t.data, t.data + size_t(t.rows) * t.row_stride);
-    for (const WeightStack& p : products) repack(p);
+    for (const WeightStack& p : products) {
+      if (cpu::r8::supported(p.first.type)) repack(p);
+      else to_huge_pages(p);
+    }
+  }
+
+  // A mapped weight the groups do not cover (its format has no R8 layout) copied into fresh
+  // huge pages moved over the file's (the same bytes): its decode stream then meets a TLB miss
+  // per 2 MiB rather than per 4 KiB, as the repacked ones do.
+  void to_huge_pages(const WeightStack& p) {
+    if (p.n < 1 || p.first.rows < 1 || p.first.where != BufferKind::Host) return;
+    const uint8_t* begin = p.first.data;
+    const uint8_t* end = begin + size_t(p.n - 1) * p.stride + size_t(p.first.rows) * p.first.row_stride;
+    if (!inside(mapped_, begin, end)) return;
+    for (const auto& [b, e] : moved_)
+      if (begin < e && b < end) return;  // moved already (a view of it, or the matrix itself)
+    const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+    const uintptr_t P0 = (uintptr_t(begin) + page - 1) & ~(page - 1), P1 = uintptr_t(end) & ~(page - 1);
+    if (P1 < P0 + (uintptr_t(2) << 20)) return;  // less than one huge page inside
+    uint8_t* fresh = fresh_pages(P0, P1 - P0);
+    if (!fresh) return;
+    std::memcpy(fresh, reinterpret_cast<const void*>(P0), P1 - P0);
+    if (mremap(fresh, P1 - P0, P1 - P0, MREMAP_MAYMOVE | MREMAP_FIXED, reinterpret_cast<void*>(P0)) == MAP_FAILED) {
+      munmap(fresh, P1 - P0);
+      return;
+    }
+    moved_.emplace_back(begin, end);
   }
   void adopt_mapped_range(const void* p, size_t bytes) override {
     adopt_host_range(p, bytes);
@@ -729,6 +759,22 @@ class CpuBackend final : public Backend {
     repack_matrices(w, s.n, s.stride);  // a contiguous stack in one pass
   }
 
+  // n bytes of anonymous memory, populated, at an address congruent to `at` modulo 2 MiB and
+  // marked for transparent huge pages: moved to `at` (mremap) its whole 2 MiB extents stay huge
+  // pages, so a decode streaming a matrix meets a TLB miss per 2 MiB rather than per 4 KiB.
+  static uint8_t* fresh_pages(uintptr_t at, size_t n) {
+    constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+    void* m = mmap(nullptr, n + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return nullptr;
+    const uintptr_t base = uintptr_t(m), start = base + ((at - base) & (kHuge - 1));
+    if (start > base) munmap(m, start - base);
+    if (base + n + kHuge > start + n) munmap(reinterpret_cast<void*>(start + n), base + n + kHuge - (start + n));
+    madvise(reinterpret_cast<void*>(start), n, MADV_HUGEPAGE);
+    if (madvise(reinterpret_cast<void*>(start), n, MADV_POPULATE_WRITE) != 0)
+      for (uintptr_t p = start; p < start + n; p += 4096) *reinterpret_cast<volatile uint8_t*>(p) = 0;
+    return reinterpret_cast<uint8_t*>(start);
+  }
+
   static bool inside(const std::vector<std::pair<const uint8_t*, const uint8_t*>>& ranges, const uint8_t* b,
                      const uint8_t* e) {
     return std::any_of(ranges.begin(), ranges.end(), [&](const auto& r) { return r.first <= b && e <= r.second; });
@@ -752,17 +798,11 @@ class CpuBackend final : public Backend {
     // for one product is never rewritten.
     if (!inside(adopted_, begin, end)) return;
     if (groups > 0) {
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14
-#endif
       const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
       const uintptr_t lo = uintptr_t(begin) & ~(page - 1), hi = (uintptr_t(end) + page - 1) & ~(page - 1);
       const uintptr_t P0 = (uintptr_t(begin) + page - 1) & ~(page - 1), P1 = uintptr_t(end) & ~(page - 1);
       uint8_t* fresh = nullptr;
-      if (inside(mapped_, begin, end) && P1 > P0) {
-        void* m = mmap(nullptr, P1 - P0, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-        if (m != MAP_FAILED) fresh = static_cast<uint8_t*>(m);
-      }
+      if (inside(mapped_, begin, end) && P1 > P0) fresh = fresh_pages(P0, P1 - P0);
       auto writable = [](uintptr_t a, uintptr_t b) {
         return b <= a || mprotect(reinterpret_cast<void*>(a), b - a, PROT_READ | PROT_WRITE) == 0;
       };
@@ -885,6 +925,7 @@ class CpuBackend final : public Backend {
   std::vector<std::pair<const uint8_t*, const uint8_t*>> r8_never_;  // ranges kept in the file's layout
   std::vector<std::pair<const uint8_t*, const uint8_t*>> adopted_;   // the models' weight memory
   std::vector<std::pair<const uint8_t*, const uint8_t*>> mapped_;    // the parts of it mapped from files
+  std::vector<std::pair<const uint8_t*, const uint8_t*>> moved_;     // moved to huge pages as they are
   const uint8_t* exact_mask_ = nullptr;  // set_exact_rows
   int64_t exact_T_ = 0;
   const cpu::VecOps& ops_;
