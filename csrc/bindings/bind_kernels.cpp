@@ -54,6 +54,17 @@ void check_threads(int threads) {
   TF_CHECK(threads >= 1 && threads <= 256, "threads must be in [1, 256], got ", threads);
 }
 
+// The R8 bindings' arguments: a format with an R8 layout, rows a positive multiple of 8, k of
+// 256, and `bytes` the rows' bytes.
+GgmlType r8_checked(uint32_t type_id, size_t bytes, int64_t rows, int64_t k) {
+  TF_CHECK(type_id < kGgmlTypeIdLimit && cpu::r8::supported(GgmlType(type_id)), "r8: unsupported type id ", type_id);
+  TF_CHECK(rows >= 8 && rows % 8 == 0, "r8: rows must be a positive multiple of 8, got ", rows);
+  TF_CHECK(k >= 256 && k % 256 == 0, "r8: k must be a positive multiple of 256, got ", k);
+  const size_t want = size_t(rows) * tf::row_bytes(GgmlType(type_id), k);
+  TF_CHECK(bytes == want, "r8: the weight has ", bytes, " bytes, expected ", want);
+  return GgmlType(type_id);
+}
+
 py::array_t<float> kernels_matmul(uint32_t type_id,
                                   py::array_t<uint8_t, py::array::c_style | py::array::forcecast> w,
                                   int64_t rows, int64_t k,
@@ -184,14 +195,8 @@ void bind_kernels(py::module_& m) {
   m.def("r8_pack",
         [](uint32_t type_id, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> w, int64_t rows,
            int64_t k) {
-          TF_CHECK(type_id < kGgmlTypeIdLimit && cpu::r8::supported(GgmlType(type_id)), "r8: unsupported type id ",
-                   type_id);
-          const GgmlType wt = GgmlType(type_id);
-          TF_CHECK(rows >= 8 && rows % 8 == 0, "r8: rows must be a positive multiple of 8, got ", rows);
-          TF_CHECK(k >= 256 && k % 256 == 0, "r8: k must be a positive multiple of 256, got ", k);
+          const GgmlType wt = r8_checked(type_id, size_t(w.size()), rows, k);
           const size_t row = tf::row_bytes(wt, k);
-          TF_CHECK(size_t(w.size()) == size_t(rows) * row, "r8: w has ", w.size(), " bytes, expected ",
-                   size_t(rows) * row);
           py::array_t<uint8_t> out{py::ssize_t(w.size())};
           std::memcpy(out.mutable_data(), w.data(), size_t(w.size()));
           std::vector<uint8_t> tmp(8 * row);
@@ -214,12 +219,8 @@ void bind_kernels(py::module_& m) {
   m.def("r8_unpack",
         [](uint32_t type_id, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> p, int64_t rows,
            int64_t k) {
-          TF_CHECK(type_id < kGgmlTypeIdLimit && cpu::r8::supported(GgmlType(type_id)), "r8: unsupported type id ",
-                   type_id);
-          const GgmlType wt = GgmlType(type_id);
-          TF_CHECK(rows >= 8 && rows % 8 == 0 && k >= 256 && k % 256 == 0, "r8: bad shape");
+          const GgmlType wt = r8_checked(type_id, size_t(p.size()), rows, k);
           const size_t row = tf::row_bytes(wt, k);
-          TF_CHECK(size_t(p.size()) == size_t(rows) * row, "r8: wrong byte count");
           py::array_t<uint8_t> out{py::ssize_t(p.size())};
           for (int64_t g = 0; g < rows / 8; ++g)
             cpu::r8::unpack_group(wt, p.data() + size_t(g) * 8 * row, k / 256, out.mutable_data() + size_t(g) * 8 * row,
@@ -230,12 +231,8 @@ void bind_kernels(py::module_& m) {
   m.def("r8_matmul",
         [](uint32_t type_id, py::array_t<uint8_t, py::array::c_style | py::array::forcecast> p, int64_t rows,
            int64_t k, py::array_t<float, py::array::c_style | py::array::forcecast> x, const std::string& impl) {
-          TF_CHECK(type_id < kGgmlTypeIdLimit && cpu::r8::supported(GgmlType(type_id)), "r8: unsupported type id ",
-                   type_id);
-          const GgmlType wt = GgmlType(type_id);
-          TF_CHECK(rows >= 8 && rows % 8 == 0 && k >= 256 && k % 256 == 0, "r8: bad shape");
+          const GgmlType wt = r8_checked(type_id, size_t(p.size()), rows, k);
           const size_t row = tf::row_bytes(wt, k);
-          TF_CHECK(size_t(p.size()) == size_t(rows) * row, "r8: wrong byte count");
           TF_CHECK(x.ndim() == 2 && x.shape(1) == k && x.shape(0) >= 1, "x must be [ncols, k]");
           cpu::r8::GemvFn fn = cpu::r8::gemv_ref;
           const bool panels = impl == "avx512_panels";

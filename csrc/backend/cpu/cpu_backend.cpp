@@ -60,6 +60,7 @@ struct MatmulJob {
   const uint8_t* r8 = nullptr;
   size_t r8_gs = 0;
   int64_t r8_rows = 0;
+  const uint8_t* r8_tail = nullptr;  // the rows past the groups, as one zero-padded group
 };
 
 // A matrix rewritten in R8 groups in place: rows [0, rows) of `row_stride` bytes from its key.
@@ -68,6 +69,7 @@ struct R8Matrix {
   GgmlType type;
   int64_t rows;        // rows in groups
   size_t row_stride;
+  const uint8_t* tail;  // the rows past them (fewer than eight) as one zero-padded group, or null
 };
 
 void free_host(void* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
@@ -349,10 +351,8 @@ class CpuBackend final : public Backend {
   void embed(const Weight& table, const int32_t* tokens, int64_t T, float* out, int64_t ldo) override {
     const TypeTraits* tr = find_type_traits(uint32_t(table.type));
     TF_CHECK(tr && tr->dequantize_ref, "embed: no dequantization for the table's type");
-    // A table read row by row keeps the file's layout (a tied output head: its products too).
-    const uint8_t* end = table.data + size_t(table.rows) * table.row_stride;
-    if (std::find(r8_never_.begin(), r8_never_.end(), std::make_pair(table.data, end)) == r8_never_.end())
-      r8_never_.emplace_back(table.data, end);
+    // Tables keep the file's layout (prepare_products); one rewritten as a product before that
+    // (a weight first met in a product, then read as a table) is read through its groups.
     MatmulJob view{};
     view.w = table;
     r8_view(&view);
@@ -722,41 +722,32 @@ class CpuBackend final : public Backend {
   }
 
   void repack(const Weight& w) {
-    if (!repack_ || adopted_.empty() || !cpu::r8::supported(w.type) || w.rows < 1 || w.k % 256 != 0) return;
-    if (w.k0 > 0 || w.row_stride != size_t(w.k / 256) * cpu::r8::block_bytes(w.type)) {
-      // A column view: its whole matrix is what gets repacked.
-      if (w.k0 % 256 != 0 || w.row_stride % cpu::r8::block_bytes(w.type) != 0) return;
-      Weight whole = w;
-      whole.data = w.data - size_t(w.k0 / 256) * cpu::r8::block_bytes(w.type);
-      whole.k = int64_t(w.row_stride / cpu::r8::block_bytes(w.type)) * 256;
-      whole.k0 = 0;
-      return repack(whole);
-    }
-    if (w.where != BufferKind::Host) return;
-    MatmulJob probe{};
-    probe.w = w;
-    if (r8_view(&probe)) return;  // repacked already, or inside a repacked matrix
-    repack_matrices(w, 1, 0);
+    WeightStack one;
+    one.first = w;
+    one.n = 1;
+    repack(one);
   }
 
+  // A matrix or a stack; a column view stands for its whole matrices (Weight::k0).
   void repack(const WeightStack& s) {
-    if (!repack_ || adopted_.empty() || !cpu::r8::supported(s.first.type) || s.n < 1) return;
+    if (!repack_ || adopted_.empty() || !cpu::r8::supported(s.first.type) || s.n < 1 || s.first.rows < 1 ||
+        s.first.where != BufferKind::Host)
+      return;
     Weight w = s.first;
     const size_t bb = cpu::r8::block_bytes(w.type);
-    if (w.k0 > 0 && w.k0 % 256 == 0 && w.row_stride % bb == 0) {  // a column view: its whole stack
-      w.data -= size_t(w.k0 / 256) * bb;
-      w.k = int64_t(w.row_stride / bb) * 256;
-      w.k0 = 0;
+    if (w.k0 % 256 != 0 || w.k % 256 != 0 || w.row_stride % bb != 0) return;
+    w.data -= size_t(w.k0 / 256) * bb;
+    w.k = int64_t(w.row_stride / bb) * 256;
+    w.k0 = 0;
+    // Matrices one after another are rewritten in one pass (one range of fresh pages).
+    const bool packed = s.n == 1 || s.stride == size_t(w.rows) * w.row_stride;
+    for (int64_t e = 0; e < (packed ? 1 : s.n); ++e) {
+      MatmulJob probe{};
+      probe.w = w;
+      probe.w.data = w.data + size_t(e) * s.stride;
+      if (r8_view(&probe)) continue;  // repacked already
+      repack_matrices(probe.w, packed ? s.n : 1, packed ? s.stride : 0);
     }
-    const size_t row = size_t(w.k / 256) * bb;
-    if (w.k0 > 0 || w.row_stride != row || s.stride != size_t(w.rows) * row || w.where != BufferKind::Host) {
-      for (int64_t e = 0; e < s.n; ++e) repack(s.at(e));  // views, or matrices apart: one at a time
-      return;
-    }
-    MatmulJob probe{};
-    probe.w = w;
-    if (r8_view(&probe)) return;
-    repack_matrices(w, s.n, s.stride);  // a contiguous stack in one pass
   }
 
   // n bytes of anonymous memory, populated, at an address congruent to `at` modulo 2 MiB and
@@ -848,14 +839,30 @@ class CpuBackend final : public Backend {
         munmap(fresh, P1 - P0);
       }
     }
-    for (int64_t e = 0; e < n; ++e)  // registered even with no group: see r8_rows
-      r8_.emplace(w.data + size_t(e) * stride,
-                  R8Matrix{w.data + size_t(e) * stride + size_t(w.rows) * row, w.type, groups * R, row});
+    // Registered even with no group (see r8_rows). The rows past the groups stay in place for
+    // the prefill panels, and get a zero-padded group of their own for decodes: packed once
+    // here, at most eight rows per matrix outside the plan's bytes.
+    for (int64_t e = 0; e < n; ++e) {
+      const uint8_t* m = w.data + size_t(e) * stride;
+      uint8_t* tail = nullptr;
+      if (w.rows % R != 0) {
+        tails_.emplace_back(new uint8_t[size_t(nb) * R * bb]);
+        tail = tails_.back().get();
+        const std::vector<uint8_t> zero(bb, 0);
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* rows[R];
+          for (int r = 0; r < R; ++r)
+            rows[r] = groups * R + r < w.rows ? m + size_t(groups * R + r) * row + size_t(b) * bb : zero.data();
+          cpu::r8::pack_superblock(w.type, rows, tail + size_t(b) * R * bb);
+        }
+      }
+      r8_.emplace(m, R8Matrix{m + size_t(w.rows) * row, w.type, groups * R, row, tail});
+    }
   }
 
   // Rows [r0, r1) of a product whose weight is repacked. Every row takes the R8 arithmetic,
-  // whatever its place: the last rows past the groups (fewer than eight) are packed into a
-  // zero-padded group on the fly for a decode, and take the same prefill panels (which give the
+  // whatever its place: the last rows past the groups (fewer than eight) have a zero-padded
+  // group of their own for a decode, and take the same prefill panels (which give the
   // file's and the groups' rows the same bits), so a row's result does not depend on how its
   // matrix was cut (TP slices, column views).
   void r8_rows(const MatmulJob& j, cpu::ShapeClass cls, int64_t r0, int64_t r1) {
@@ -880,21 +887,13 @@ class CpuBackend final : public Backend {
                                       j.xq_stride, j.ncols, j.y, j.ldy);
       return;
     }
-    const size_t bb = cpu::r8::block_bytes(j.w.type);
-    thread_local std::vector<uint8_t> zero, group;
+    // The rows past the groups through their zero-padded group (packed at load).
+    TF_CHECK(j.r8_tail != nullptr, "cpu backend: a repacked matrix's last rows have no group");
     thread_local std::vector<float> out;
-    zero.assign(bb, 0);
-    group.resize(size_t(nb) * R * bb);
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* rows[R];
-      for (int i = 0; i < R; ++i)
-        rows[i] = re + i < r1 ? j.w.data + size_t(re + i) * j.w.row_stride + size_t(b) * bb : zero.data();
-      cpu::r8::pack_superblock(j.w.type, rows, group.data() + size_t(b) * R * bb);
-    }
     out.resize(size_t(j.ncols) * R);
-    gemv(j.w.type, nb, group.data(), j.xq, j.xq_stride, j.ncols, out.data(), R);
+    gemv(j.w.type, nb, j.r8_tail, j.xq, j.xq_stride, j.ncols, out.data(), R);
     for (int64_t c = 0; c < j.ncols; ++c)
-      for (int64_t r = re; r < r1; ++r) j.y[c * j.ldy + r] = out[size_t(c) * R + size_t(r - re)];
+      for (int64_t r = re; r < r1; ++r) j.y[c * j.ldy + r] = out[size_t(c) * R + size_t(r - j.r8_rows)];
   }
 
   // Fills j's R8 fields when its weight lies in a repacked matrix; true then. A view the R8
@@ -915,6 +914,7 @@ class CpuBackend final : public Backend {
     j->r8 = it->first + size_t(r) * m.row_stride + (in_row / bb) * cpu::r8::kRows * bb;
     j->r8_gs = cpu::r8::kRows * m.row_stride;
     j->r8_rows = std::max<int64_t>(0, std::min(j->w.rows, m.rows - r));
+    j->r8_tail = m.tail ? m.tail + (in_row / bb) * cpu::r8::kRows * bb : nullptr;
     return true;
   }
 
@@ -926,6 +926,7 @@ class CpuBackend final : public Backend {
   std::vector<std::pair<const uint8_t*, const uint8_t*>> adopted_;   // the models' weight memory
   std::vector<std::pair<const uint8_t*, const uint8_t*>> mapped_;    // the parts of it mapped from files
   std::vector<std::pair<const uint8_t*, const uint8_t*>> moved_;     // moved to huge pages as they are
+  std::vector<std::unique_ptr<uint8_t[]>> tails_;                    // R8Matrix::tail
   const uint8_t* exact_mask_ = nullptr;  // set_exact_rows
   int64_t exact_T_ = 0;
   const cpu::VecOps& ops_;
