@@ -198,10 +198,8 @@ void bind_kernels(py::module_& m) {
           const GgmlType wt = r8_checked(type_id, size_t(w.size()), rows, k);
           const size_t row = tf::row_bytes(wt, k);
           py::array_t<uint8_t> out{py::ssize_t(w.size())};
-          std::memcpy(out.mutable_data(), w.data(), size_t(w.size()));
-          std::vector<uint8_t> tmp(8 * row);
           for (int64_t g = 0; g < rows / 8; ++g)
-            cpu::r8::pack_group_inplace(wt, out.mutable_data() + size_t(g) * 8 * row, k / 256, tmp.data());
+            cpu::r8::pack_group(wt, w.data() + size_t(g) * 8 * row, k / 256, out.mutable_data() + size_t(g) * 8 * row);
           return out;
         },
         py::arg("type_id"), py::arg("w"), py::arg("rows"), py::arg("k"),

@@ -819,15 +819,10 @@ class CpuBackend final : public Backend {
           const uintptr_t a = uintptr_t(first) & ~(page - 1), b = (uintptr_t(last) + page - 1) & ~(page - 1);
           madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE);
         }
-        std::vector<uint8_t> in(gbytes), out(gbytes);
-        for (int64_t i = i0; i < i1; ++i) {
+        std::vector<uint8_t> out(gbytes);
+        for (int64_t i = i0; i < i1; ++i) {  // a group's bytes are read, then overwritten, by one thread
           uint8_t* at = base + size_t(i / groups) * stride + size_t(i % groups) * gbytes;
-          std::memcpy(in.data(), at, gbytes);
-          for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* rows[R];
-            for (int r = 0; r < R; ++r) rows[r] = in.data() + r * row + size_t(b) * bb;
-            cpu::r8::pack_superblock(w.type, rows, out.data() + size_t(b) * R * bb);
-          }
+          cpu::r8::pack_group(w.type, at, nb, out.data());
           put(at, out.data(), gbytes);
         }
       });

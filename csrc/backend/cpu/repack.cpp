@@ -426,13 +426,12 @@ void unpack_superblock(GgmlType t, const uint8_t* sb, uint8_t* const rows[kRows]
   }
 }
 
-void pack_group_inplace(GgmlType t, uint8_t* group, int64_t nb, uint8_t* tmp) {
+void pack_group(GgmlType t, const uint8_t* rows8, int64_t nb, uint8_t* out) {
   const size_t bb = block_bytes(t), row = size_t(nb) * bb;
-  std::memcpy(tmp, group, kRows * row);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rows[kRows];
-    for (int r = 0; r < kRows; ++r) rows[r] = tmp + r * row + size_t(b) * bb;
-    pack_superblock(t, rows, group + size_t(b) * kRows * bb);
+    for (int r = 0; r < kRows; ++r) rows[r] = rows8 + r * row + size_t(b) * bb;
+    pack_superblock(t, rows, out + size_t(b) * kRows * bb);
   }
 }
 

@@ -50,9 +50,9 @@ size_t block_bytes(GgmlType t);
 void pack_superblock(GgmlType t, const uint8_t* const rows[kRows], uint8_t* sb);
 void unpack_superblock(GgmlType t, const uint8_t* sb, uint8_t* const rows[kRows]);
 
-// Eight rows of nb blocks each, stored contiguously (row_stride = nb * block bytes), rewritten
-// in place as nb super-blocks; `tmp` holds 8 * nb * block bytes.
-void pack_group_inplace(GgmlType t, uint8_t* group, int64_t nb, uint8_t* tmp);
+// Eight rows of nb blocks each, stored contiguously (row_stride = nb * block bytes), as nb
+// super-blocks at `out` (the same number of bytes, elsewhere).
+void pack_group(GgmlType t, const uint8_t* rows8, int64_t nb, uint8_t* out);
 // Super-blocks [b0, b0 + nbv) of a group (`sb0` points at super-block b0) written as eight rows in
 // the file's layout, row r at out + r * out_stride.
 void unpack_group(GgmlType t, const uint8_t* sb0, int64_t nbv, uint8_t* out, size_t out_stride);
